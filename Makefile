@@ -1,0 +1,31 @@
+# One-command entry points. Each creates .venv when missing and installs the project (editable) into it.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench info clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tessera info
+	$(BIN)/python benchmarks/attention_cpu.py --quick
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/attention_cpu.py
+
+info: $(STAMP)
+	$(BIN)/tessera info
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,13 @@
+"""Hardware backends. Each folder implements the same op set and passes the same conformance suite."""
+
+from tessera.backends.base import (
+    AttentionRequest,
+    Backend,
+    BackendUnavailableError,
+    RaggedBatch,
+    register,
+    registered,
+    select,
+)
+
+__all__ = ["AttentionRequest", "Backend", "BackendUnavailableError", "RaggedBatch", "register", "registered", "select"]

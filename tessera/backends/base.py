@@ -1,0 +1,118 @@
+"""The backend interface, the ragged batch description every backend consumes, and the backend registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tessera.attention.spec import AttentionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedBatch:
+    """Where each sequence of a ragged batch lives, as host-side integers.
+
+    Sequence ``s`` owns q rows ``q_starts[s] : q_starts[s] + q_lens[s]`` of q ``[total_q, Hq, D]`` and kv rows
+    ``kv_starts[s] : kv_starts[s] + kv_lens[s]`` of k/v ``[total_kv, Hkv, D]``. Its queries sit at the last
+    ``q_lens[s]`` absolute positions of its kv: ``kv_lens[s] - q_lens[s] .. kv_lens[s] - 1``.
+    """
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    q_starts: tuple[int, ...] = field(init=False)
+    kv_starts: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "q_starts", tuple(np.concatenate([[0], np.cumsum(self.q_lens)[:-1]]).astype(int).tolist()) if self.q_lens else ())
+        object.__setattr__(self, "kv_starts", tuple(np.concatenate([[0], np.cumsum(self.kv_lens)[:-1]]).astype(int).tolist()) if self.kv_lens else ())
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def total_q(self) -> int:
+        return int(sum(self.q_lens))
+
+    @property
+    def total_kv(self) -> int:
+        return int(sum(self.kv_lens))
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionRequest:
+    """What a backend is asked to run; ``why_not`` answers from this alone, before any work."""
+
+    spec: AttentionSpec
+    dtype: torch.dtype
+    device: torch.device
+    layout: str = "ragged"  # "ragged" (contiguous per sequence) or "paged"
+
+
+class Backend(Protocol):
+    """One hardware target. Every backend runs the same conformance suite."""
+
+    name: str
+    #: higher wins under ``backend="auto"``
+    priority: int
+
+    def available(self) -> list[str]:
+        """Reasons this backend cannot run at all on this machine (empty when usable)."""
+        ...
+
+    def why_not(self, request: AttentionRequest) -> list[str]:
+        """Reasons this backend cannot serve ``request`` (empty when it can)."""
+        ...
+
+    def varlen_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, spec: AttentionSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over a validated ragged batch.
+
+        Returns ``out [total_q, Hq, D]`` in q's dtype and ``lse [total_q, Hq]`` float32 (natural log, sinks included).
+        """
+        ...
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend to the registry (a new accelerator is one new backend folder that calls this)."""
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def registered() -> dict[str, Backend]:
+    """All registered backends by name, loading the built-in ones on first use."""
+    if not _REGISTRY:
+        from tessera.backends import cpu, reference, triton  # noqa: F401  (registration side effects)
+    return dict(_REGISTRY)
+
+
+class BackendUnavailableError(RuntimeError):
+    """No backend (or not the requested one) can serve a request; the message lists every backend's reasons."""
+
+
+def select(request: AttentionRequest, name: str = "auto") -> Backend:
+    """The backend named ``name``, or under ``"auto"`` the highest-priority backend that can serve ``request``."""
+    backends = registered()
+    if name != "auto":
+        if name not in backends:
+            raise ValueError(f"unknown backend {name!r}; choose one of {sorted(backends)} or 'auto'")
+        reasons = backends[name].available() + backends[name].why_not(request)
+        if reasons:
+            raise BackendUnavailableError(f"backend {name!r} cannot run {request.spec!r}: " + "; ".join(reasons))
+        return backends[name]
+    refusals: list[str] = []
+    for backend in sorted(backends.values(), key=lambda b: -b.priority):
+        reasons = backend.available() + backend.why_not(request)
+        if not reasons:
+            return backend
+        refusals.append(f"  {backend.name}: " + "; ".join(reasons))
+    raise BackendUnavailableError(
+        f"no backend can run {request.spec!r} on {request.device} with {request.dtype}:\n" + "\n".join(refusals)
+    )
