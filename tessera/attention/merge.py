@@ -42,3 +42,19 @@ def merge_states(
     wb = torch.exp(lb - ref).unsqueeze(-1)
     out = out_a.float() * wa + out_b.float() * wb
     return out.to(out_a.dtype), lse
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold per-head sink logits into finished attention: a merge with a zero-valued state whose lse is the sink.
+
+    Parameters
+    ----------
+    out : float32 ``[tokens, H, D]``; lse : float32 ``[tokens, H]``; sinks : float ``[H]``.
+
+    Returns
+    -------
+    out rescaled by ``exp(lse - lse')`` and ``lse' = logaddexp(lse, sinks)`` (a fully masked row: 0 and the sink).
+    """
+    new_lse = torch.logaddexp(lse, sinks.to(lse.device, torch.float32).unsqueeze(0))
+    scale = torch.exp(lse - new_lse)  # 0 where lse is -inf
+    return out * scale.unsqueeze(-1), new_lse

@@ -1,0 +1,128 @@
+"""Decode-shaped attention on the CPU: host-side planning of kv segments, then one Numba kernel call per batch.
+
+A sequence is decode-shaped when it has few queries (``q_len <= DECODE_MAX_Q``): its work is reading K/V once, not
+GEMM throughput. The plan walks each sequence's kv in tiles of ``SEGMENT_TILE`` keys, drops EMPTY tiles, merges
+consecutive FULL tiles into one segment, and evaluates the mask only on PARTIAL tiles (stored as uint8 for the kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tessera.attention.spec import AttentionSpec
+from tessera.attention.scores import Alibi, Softcap
+from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
+from tessera.backends.base import RaggedBatch
+from tessera.backends.cpu.decode_kernel import decode_attention_kernel
+
+DECODE_MAX_Q = 8
+SEGMENT_TILE = 256
+
+
+def kernel_supports(spec: AttentionSpec) -> bool:
+    """The Numba kernel runs built-in score functions only; a custom score function goes through the BLAS path."""
+    return spec.score is None or isinstance(spec.score, (Softcap, Alibi))
+
+
+def storage_view(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy NumPy view the kernel understands: float32 as is, bf16 as uint16 bits, fp16 as int16 bits."""
+    if t.dtype == torch.float32:
+        return t.numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy()
+    raise TypeError(f"decode kernel: unsupported storage dtype {t.dtype}")
+
+
+class _Segments:
+    """Growing arrays of kv segments plus the uint8 mask bytes of partial ones."""
+
+    def __init__(self) -> None:
+        self.ptr = [0]
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.mask_off: list[int] = []
+        self.hstride: list[int] = []
+        self.masks: list[np.ndarray] = []
+        self.mask_size = 0
+
+    def add(self, start: int, end: int, keep: np.ndarray | None = None) -> None:
+        if keep is None and self.start and len(self.start) > self.ptr[-1] and self.end[-1] == start and self.mask_off[-1] < 0:
+            self.end[-1] = end  # extend the previous all-kept segment
+            return
+        self.start.append(start)
+        self.end.append(end)
+        if keep is None:
+            self.mask_off.append(-1)
+            self.hstride.append(0)
+        else:
+            self.mask_off.append(self.mask_size)
+            self.hstride.append(1 if keep.shape[0] > 1 else 0)
+            self.masks.append(keep.reshape(-1))
+            self.mask_size += keep.size
+
+    def close_sequence(self) -> None:
+        self.ptr.append(len(self.start))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        buf = np.concatenate(self.masks) if self.masks else np.zeros(1, dtype=np.uint8)
+        return i64(self.ptr), i64(self.start), i64(self.end), i64(self.mask_off), i64(self.hstride), buf
+
+
+def _plan_sequence(segs: _Segments, spec: AttentionSpec, seq_index: int, q_len: int, kv_len: int) -> None:
+    """Append the segments of one sequence (queries at the last ``q_len`` of ``kv_len`` positions)."""
+    kv_lo, kv_hi = tile_bounds(0, kv_len, SEGMENT_TILE)
+    q_lo, q_hi = np.array([kv_len - q_len]), np.array([kv_len])
+    classes = classify_tiles(spec.mask, seq_index, q_lo, q_hi, kv_lo, kv_hi)[0]
+    b = torch.tensor(seq_index)
+    heads = torch.arange(spec.num_q_heads).view(-1, 1, 1)
+    q_pos = torch.arange(kv_len - q_len, kv_len).view(1, -1, 1)
+    for t in np.flatnonzero(classes != EMPTY):
+        c, f = int(kv_lo[t]), int(kv_hi[t])
+        if classes[t] == FULL:
+            segs.add(c, f)
+            continue
+        keep = spec.mask.evaluate(b, heads, q_pos, torch.arange(c, f).view(1, 1, -1))
+        keep = torch.broadcast_to(keep, (spec.num_q_heads, q_len, f - c))
+        if keep.stride(0) == 0:
+            keep = keep[:1]  # the mask ignores the head: store one copy
+        if not bool(keep.any()):
+            continue
+        if bool(keep.all()):
+            segs.add(c, f)
+            continue
+        segs.add(c, f, keep.to(torch.uint8).contiguous().numpy())
+    segs.close_sequence()
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, seqs: list[int], spec: AttentionSpec,
+    out: torch.Tensor, lse: torch.Tensor,
+) -> None:
+    """Run the listed sequences of ``batch`` through the Numba kernel, writing their rows of ``out`` / ``lse``.
+
+    Parameters
+    ----------
+    q : ``[total_q, Hq, D]``; k, v : ``[total_kv, Hkv, D]`` contiguous, float32 / bfloat16 / float16.
+    seqs : indices of decode-shaped sequences.
+    out : float32 ``[total_q, Hq, D]``; lse : float32 ``[total_q, Hq]`` (without sinks).
+    """
+    segs = _Segments()
+    for s in seqs:
+        _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s])
+    seg_arrays = segs.arrays()
+    q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)
+    q_len = np.array([batch.q_lens[s] for s in seqs], dtype=np.int64)
+    kv_len = np.array([batch.kv_lens[s] for s in seqs], dtype=np.int64)
+    row_base = np.array([[batch.kv_starts[s]] for s in seqs], dtype=np.int64)
+    block = max(max(batch.kv_lens), 1)
+    softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
+    slopes = spec.score.slopes.numpy() if isinstance(spec.score, Alibi) else np.zeros(0, dtype=np.float32)
+    decode_attention_kernel(
+        q.to(torch.float32).numpy(), storage_view(k), storage_view(v), out.numpy(), lse.numpy(),
+        q_start, q_len, kv_len, row_base, block, *seg_arrays,
+        np.float32(spec.softmax_scale), np.float32(softcap), slopes, spec.group_size,
+    )

@@ -1,0 +1,138 @@
+"""Micro-benchmarks that measure this machine's ceilings, and a description of its CPU.
+
+Each probe takes a second or two. Nothing here runs at import; :func:`tessera.hw.get_ceilings` calls the probes once
+and caches their results.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Callable
+
+import torch
+
+#: Square fp32 matmul size: large enough that MKL/oneDNN reaches its steady-state kernel, small enough (~0.2 s per
+#: product on 2 cores) to repeat a few times.
+GEMM_SIZE = 2048
+#: The streaming-read buffer: tens of times any last-level cache (32-96 MiB per CCD on current x86 servers).
+READ_BYTES = 1 << 30
+#: /proc/cpuinfo flags that decide which kernels can run fast; recorded so a slow result can be explained.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "neon", "sve")
+
+
+def best_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` after ``warmup`` untimed ones.
+
+    The minimum, not the median: a ceiling is what the machine can do, and every slower run was disturbed by
+    something else (other tenants on a VM, a page fault, a frequency change).
+    """
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_gemm_gflops(n: int = GEMM_SIZE, reps: int = 5) -> float:
+    """fp32 GEMM throughput of ``torch.matmul`` on square ``[n, n]`` matrices with all torch threads, in GFLOP/s.
+
+    Examples
+    --------
+    >>> measure_gemm_gflops(512, reps=2) > 0
+    True
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen)
+    b = torch.randn(n, n, generator=gen)
+    out = torch.empty(n, n)
+    seconds = best_seconds(lambda: torch.matmul(a, b, out=out), reps)
+    return 2.0 * n**3 / seconds / 1e9
+
+
+def measure_read_gbps(num_bytes: int = READ_BYTES, reps: int = 5) -> tuple[float, str]:
+    """Streaming read bandwidth over a buffer much larger than the last-level cache, with all threads.
+
+    Tries ``torch.sum`` and a Numba ``prange`` reduction over the same fp32 buffer and keeps the faster: the
+    ceiling is the best any reader reaches, and which one wins differs between machines.
+
+    Returns
+    -------
+    (GB/s with GB = 1e9 bytes, the name of the method that reached it)
+    """
+    # fill_ rather than randn: it touches every page (so page faults stay out of the timed reads) at memory speed.
+    buf = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+    results = {"torch.sum": num_bytes / best_seconds(lambda: buf.sum(), reps) / 1e9}
+    numba_sum = _numba_parallel_sum()
+    if numba_sum is not None:
+        arr = buf.numpy()
+        results["numba prange sum"] = num_bytes / best_seconds(lambda: numba_sum(arr), reps) / 1e9
+    method = max(results, key=results.__getitem__)
+    return results[method], method
+
+
+def _numba_parallel_sum() -> Callable | None:
+    """A compiled parallel fp32 sum, or None when Numba is missing or cannot compile here (torch.sum still runs)."""
+    try:
+        from numba import njit, prange
+    except ImportError:
+        return None
+
+    # fastmath lets LLVM reassociate the sum into several vector accumulators; without it the loop is latency-bound
+    # on one add chain and measures the core, not the memory.
+    @njit(parallel=True, fastmath=True, cache=False)
+    def parallel_sum(a):  # pragma: no cover - compiled
+        total = 0.0
+        for i in prange(a.size):
+            total += a[i]
+        return total
+
+    return parallel_sum
+
+
+def cpu_model() -> str:
+    """The CPU's name, with family/model/stepping when /proc/cpuinfo has them.
+
+    Hypervisors often report a bare family name ("AMD EPYC"), which would make a Zen 3 and a Zen 5 host look alike;
+    the family/model numbers tell them apart, so the ceilings cache re-measures when moved between them.
+    """
+    fields = _cpuinfo_fields()
+    name = fields.get("model name") or fields.get("Model") or platform.processor() or platform.machine() or "unknown"
+    ids = [f"{key} {fields[key]}" for key in ("cpu family", "model", "stepping") if key in fields]
+    return f"{name} ({', '.join(ids)})" if ids else name
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The entries of :data:`ISA_FLAGS` this CPU advertises (empty when /proc/cpuinfo is unavailable)."""
+    fields = _cpuinfo_fields()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return tuple(flag for flag in ISA_FLAGS if flag in flags)
+
+
+def num_cores() -> int:
+    """Logical CPUs this process may run on (its affinity mask, which containers often narrow), at least 1."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of /proc/cpuinfo ({} off Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break  # the first processor block is enough; all cores of a host share a model
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
