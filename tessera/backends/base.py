@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from tessera.attention.spec import AttentionSpec
+if TYPE_CHECKING:  # the attention package imports this module; avoid the cycle at run time
+    from tessera.attention.spec import AttentionSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ consecutive FULL tiles into one segment, and evaluates the mask only on PARTIAL 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -14,10 +15,13 @@ from tessera.attention.spec import AttentionSpec
 from tessera.attention.scores import Alibi, Softcap
 from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
 from tessera.backends.base import RaggedBatch
-from tessera.backends.cpu.decode_kernel import decode_attention_kernel
+from tessera.backends.cpu.decode_kernel import decode_attention_kernel, merge_parts_kernel
 
 DECODE_MAX_Q = 8
 SEGMENT_TILE = 256
+#: split-KV: aim for this many work items per thread, but never parts shorter than MIN_PART_KEYS keys
+ITEMS_PER_THREAD = 4
+MIN_PART_KEYS = 512
 
 
 def kernel_supports(spec: AttentionSpec) -> bool:
@@ -37,10 +41,9 @@ def storage_view(t: torch.Tensor) -> np.ndarray:
 
 
 class _Segments:
-    """Growing arrays of kv segments plus the uint8 mask bytes of partial ones."""
+    """Growing arrays of kv segments (one per visited tile) plus the uint8 mask bytes of partial ones."""
 
     def __init__(self) -> None:
-        self.ptr = [0]
         self.start: list[int] = []
         self.end: list[int] = []
         self.mask_off: list[int] = []
@@ -49,9 +52,6 @@ class _Segments:
         self.mask_size = 0
 
     def add(self, start: int, end: int, keep: np.ndarray | None = None) -> None:
-        if keep is None and self.start and len(self.start) > self.ptr[-1] and self.end[-1] == start and self.mask_off[-1] < 0:
-            self.end[-1] = end  # extend the previous all-kept segment
-            return
         self.start.append(start)
         self.end.append(end)
         if keep is None:
@@ -63,13 +63,10 @@ class _Segments:
             self.masks.append(keep.reshape(-1))
             self.mask_size += keep.size
 
-    def close_sequence(self) -> None:
-        self.ptr.append(len(self.start))
-
     def arrays(self) -> tuple[np.ndarray, ...]:
         i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
         buf = np.concatenate(self.masks) if self.masks else np.zeros(1, dtype=np.uint8)
-        return i64(self.ptr), i64(self.start), i64(self.end), i64(self.mask_off), i64(self.hstride), buf
+        return i64(self.start), i64(self.end), i64(self.mask_off), i64(self.hstride), buf
 
 
 def _plan_sequence(segs: _Segments, spec: AttentionSpec, seq_index: int, q_len: int, kv_len: int) -> None:
@@ -95,7 +92,28 @@ def _plan_sequence(segs: _Segments, spec: AttentionSpec, seq_index: int, q_len: 
             segs.add(c, f)
             continue
         segs.add(c, f, keep.to(torch.uint8).contiguous().numpy())
-    segs.close_sequence()
+
+
+def _split_items(segs: _Segments, seq_seg_ranges: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+    """Cut each sequence's segments into parts of about equal key counts so every core gets work (split-KV).
+
+    Returns int64 arrays: per item its sequence, segment range; per sequence its item range.
+    """
+    lengths = np.asarray(segs.end, dtype=np.int64) - np.asarray(segs.start, dtype=np.int64)
+    total = int(lengths.sum())
+    target = max(total // (ITEMS_PER_THREAD * numba.get_num_threads()), MIN_PART_KEYS)
+    item_seq, item_lo, item_hi, seq_lo, seq_hi = [], [], [], [], []
+    for s, (lo, hi) in enumerate(seq_seg_ranges):
+        seq_lo.append(len(item_seq))
+        part_start, keys = lo, 0
+        for seg in range(lo, hi):
+            keys += int(lengths[seg])
+            if keys >= target and seg + 1 < hi:
+                item_seq.append(s), item_lo.append(part_start), item_hi.append(seg + 1)
+                part_start, keys = seg + 1, 0
+        item_seq.append(s), item_lo.append(part_start), item_hi.append(hi)
+        seq_hi.append(len(item_seq))
+    return tuple(np.asarray(a, dtype=np.int64) for a in (item_seq, item_lo, item_hi, seq_lo, seq_hi))
 
 
 def decode_attention(
@@ -108,12 +126,15 @@ def decode_attention(
     ----------
     q : ``[total_q, Hq, D]``; k, v : ``[total_kv, Hkv, D]`` contiguous, float32 / bfloat16 / float16.
     seqs : indices of decode-shaped sequences.
-    out : float32 ``[total_q, Hq, D]``; lse : float32 ``[total_q, Hq]`` (without sinks).
+    out : float32 ``[total_q, Hq, D]``; lse : float32 ``[total_q, Hq]`` (without sinks), both contiguous.
     """
     segs = _Segments()
+    ranges = []
     for s in seqs:
+        lo = len(segs.start)
         _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s])
-    seg_arrays = segs.arrays()
+        ranges.append((lo, len(segs.start)))
+    item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges)
     q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)
     q_len = np.array([batch.q_lens[s] for s in seqs], dtype=np.int64)
     kv_len = np.array([batch.kv_lens[s] for s in seqs], dtype=np.int64)
@@ -121,8 +142,12 @@ def decode_attention(
     block = max(max(batch.kv_lens), 1)
     softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
     slopes = spec.score.slopes.numpy() if isinstance(spec.score, Alibi) else np.zeros(0, dtype=np.float32)
+    rows_per_item = spec.num_q_heads * int(q_len.max())
+    part_out = np.empty((len(item_seq), rows_per_item, spec.head_dim), dtype=np.float32)
+    part_lse = np.empty((len(item_seq), rows_per_item), dtype=np.float32)
     decode_attention_kernel(
-        q.to(torch.float32).numpy(), storage_view(k), storage_view(v), out.numpy(), lse.numpy(),
-        q_start, q_len, kv_len, row_base, block, *seg_arrays,
-        np.float32(spec.softmax_scale), np.float32(softcap), slopes, spec.group_size,
+        q.to(torch.float32).numpy(), storage_view(k), storage_view(v), part_out, part_lse,
+        item_seq, item_lo, item_hi, q_start, q_len, kv_len, row_base, block, *segs.arrays(),
+        np.float32(spec.softmax_scale), np.float32(softcap), slopes,
     )
+    merge_parts_kernel(part_out, part_lse, seq_item_lo, seq_item_hi, q_start, q_len, out.numpy(), lse.numpy())

@@ -1,11 +1,17 @@
-"""Numba kernel for decode-shaped attention (a few queries against a long KV): memory-bound, one pass over K and V.
+"""Numba kernels for decode-shaped attention (a few queries against a long KV): memory-bound, one pass over K and V.
 
-One work item is one (sequence, kv head). It streams its KV in chunks of ``CHUNK`` keys, scores every query row of its
-group (``G * q_len`` rows) against each chunk, and folds the chunk into an online softmax held in registers/L1. K/V
-are read exactly once. Lengths are run-time values, so new lengths never recompile; a kernel is compiled once per
-storage dtype (float32; bf16 and fp16 arrive as 16-bit integer views and are widened by bit operations).
+One work item is one (sequence, kv part): a contiguous range of the sequence's kv segments, for every head. Reading
+whole token rows ``[Hkv, D]`` keeps the memory stream contiguous (per-head items would touch a new 4 KiB page per
+token at Hkv=8, D=128, fp32, which defeats the hardware prefetchers). Each item streams its keys in chunks of
+``CHUNK``, scores every query row (``Hq * q_len`` rows) against the chunk, and folds it into an online softmax whose
+state stays in L1/L2. K and V are read exactly once. Long sequences are split into several parts (split-KV, as in
+flash-decoding) so that a small batch still fills every core; :func:`merge_parts_kernel` combines the parts by their
+log-sum-exp.
 
-The KV addressing is paged: key ``j`` of sequence ``s`` lives in row ``row_base[s, j // block] + j % block`` of
+Lengths are run-time values, so new lengths never recompile; a kernel is compiled once per storage dtype (float32;
+bf16 and fp16 arrive as 16-bit integer views and are widened by bit operations) and cached on disk.
+
+KV addressing is paged: key ``j`` of sequence ``s`` lives in row ``row_base[s, j // block] + j % block`` of
 ``k [rows, Hkv, D]``. A contiguous sequence is one "page" as long as the sequence (``row_base[s, 0] = kv_start``).
 """
 
@@ -18,9 +24,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
-CHUNK = 32
+CHUNK = 16
 
-# fastmath without "nnan"/"ninf": the kernel relies on -inf for masked scores and empty rows.
+# fastmath without "nnan"/"ninf": the kernels rely on -inf for masked scores and empty rows.
 FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}
 
 
@@ -61,100 +67,180 @@ def _widen_overload(x):
     return None
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def fast_exp(x):  # pragma: no cover - compiled
+    """exp for float32 that LLVM can vectorize: 2^round(t) by exponent bits times a degree-7 polynomial of 2^f.
+
+    Relative error below 2e-7 on [-87, 88]; returns 0 below -87 (so exp(-inf) = 0).
+    """
+    t = max(x, np.float32(-100.0)) * np.float32(1.4426950408889634)
+    n = np.float32(round(t))
+    f = t - n
+    p = np.float32(1.525273380405984e-05)
+    p = p * f + np.float32(0.00015403530393381606)
+    p = p * f + np.float32(0.0013333558146428443)
+    p = p * f + np.float32(0.009618129107628477)
+    p = p * f + np.float32(0.05550410866482158)
+    p = p * f + np.float32(0.2402265069591007)
+    p = p * f + np.float32(0.6931471805599453)
+    p = p * f + np.float32(1.0)
+    r = p * _bits_to_f32(np.uint32(np.int32(n) + 127) << np.uint32(23))
+    return r if x > np.float32(-87.0) else np.float32(0.0)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # pragma: no cover - compiled
+    """Scores of every query row of kv head ``hk`` against key ``j`` (token row ``row``) into ``sc[:, c]``."""
+    d = k.shape[2]
+    krow = k[row, hk]
+    for g in range(group):
+        h = hk * group + g
+        for i in range(nq):
+            r = h * nq + i
+            acc = np.float32(0.0)
+            for x in range(d):
+                acc += qrows[r, x] * widen(krow[x])
+            if softcap > 0.0:
+                acc = softcap * math.tanh(acc / softcap)
+            if slopes.shape[0] > 0:
+                acc += slopes[h] * np.float32(j - (kv_len - nq + i))
+            sc[r, c] = acc
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_attention_kernel(
-    q, k, v, out, lse,
-    seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_ptr, seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes, group,
+    q, k, v, part_out, part_lse,
+    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
+    scale, softcap, slopes,
 ):  # pragma: no cover - compiled
-    """out ``[tokens, Hq, D]`` f32 and lse ``[tokens, Hq]`` f32 for every query row of every listed sequence.
+    """Unnormalized-then-normalized partial attention of every work item.
 
     q : f32 ``[tokens, Hq, D]``; k, v : ``[rows, Hkv, D]`` f32 / uint16 (bf16 bits) / int16 (fp16 bits).
+    part_out : f32 ``[items, Hq * max_q, D]`` and part_lse : f32 ``[items, Hq * max_q]``; row ``h * q_len + i``.
+    item_* : int64 ``[items]``: the sequence and the half-open range of its segments the item covers.
     seq_* : int64 ``[num_seqs]``; row_base : int64 ``[num_seqs, max_blocks]``; block : rows per addressing block.
-    seg_ptr : int64 ``[num_seqs + 1]``, segments of sequence s are ``seg_ptr[s]:seg_ptr[s+1]``; each segment is a kv
-    range ``[seg_start, seg_end)`` visited by every query of s; ``seg_mask_off >= 0`` points into ``mask_buf`` (uint8,
-    laid out ``[heads, q_len, seg_len]``, head stride 0 when the mask ignores heads), -1 means all kept.
+    seg_* : int64 ``[num_segments]``: kv range ``[seg_start, seg_end)``; ``seg_mask_off >= 0`` points into ``mask_buf``
+    (uint8 ``[heads, q_len, seg_len]``, head stride 0 when the mask ignores heads); -1 means every key is kept.
     softcap : 0 disables; slopes : f32 ``[Hq]`` ALiBi slopes or empty.
     """
-    num_seqs = seq_q_len.shape[0]
     hkv = k.shape[1]
     d = k.shape[2]
-    use_alibi = slopes.shape[0] > 0
-    for item in prange(num_seqs * hkv):
-        s = item // hkv
-        hk = item % hkv
+    hq = q.shape[1]
+    group = hq // hkv
+    for item in prange(item_seq.shape[0]):
+        s = item_seq[item]
         nq = seq_q_len[s]
         kv_len = seq_kv_len[s]
-        q0 = seq_q_start[s]
-        nrows = group * nq
+        nrows = hq * nq
+        qrows = np.empty((nrows, d), dtype=np.float32)
+        for h in range(hq):
+            for i in range(nq):
+                for x in range(d):
+                    qrows[h * nq + i, x] = q[seq_q_start[s] + i, h, x] * scale
         acc = np.zeros((nrows, d), dtype=np.float32)
         m = np.full(nrows, -np.inf, dtype=np.float32)
         l = np.zeros(nrows, dtype=np.float32)
-        qrows = np.empty((nrows, d), dtype=np.float32)
-        for r in range(nrows):
-            h = hk * group + r // nq
-            for x in range(d):
-                qrows[r, x] = q[q0 + r % nq, h, x] * scale
-        kbuf = np.empty((CHUNK, d), dtype=np.float32)
-        vbuf = np.empty((CHUNK, d), dtype=np.float32)
-        sc = np.empty(CHUNK, dtype=np.float32)
-        for seg in range(seg_ptr[s], seg_ptr[s + 1]):
+        sc = np.empty((nrows, CHUNK), dtype=np.float32)
+        rows = np.empty(CHUNK, dtype=np.int64)
+        for seg in range(item_seg_lo[item], item_seg_hi[item]):
             j_begin = seg_start[seg]
             j_end = seg_end[seg]
             moff = seg_mask_off[seg]
-            seg_len = j_end - j_begin
             for j0 in range(j_begin, j_end, CHUNK):
                 cn = min(CHUNK, j_end - j0)
                 for c in range(cn):
                     j = j0 + c
-                    row = row_base[s, j // block] + j % block
-                    for x in range(d):
-                        kbuf[c, x] = widen(k[row, hk, x])
-                        vbuf[c, x] = widen(v[row, hk, x])
-                for r in range(nrows):
-                    h = hk * group + r // nq
-                    i = r % nq
-                    q_pos = kv_len - nq + i
-                    mx = -np.inf
-                    for c in range(cn):
-                        acc_dot = np.float32(0.0)
-                        for x in range(d):
-                            acc_dot += qrows[r, x] * kbuf[c, x]
-                        if softcap > 0.0:
-                            acc_dot = softcap * math.tanh(acc_dot / softcap)
-                        if use_alibi:
-                            acc_dot += slopes[h] * np.float32(j0 + c - q_pos)
-                        if moff >= 0:
-                            midx = moff + ((h * seg_mask_hstride[seg]) * nq + i) * seg_len + (j0 + c - j_begin)
-                            if mask_buf[midx] == 0:
-                                acc_dot = -np.inf
-                        sc[c] = acc_dot
-                        mx = max(mx, acc_dot)
-                    if mx == -np.inf:
-                        continue
-                    m_old = m[r]
-                    m_new = max(m_old, mx)
-                    if m_new > m_old:
-                        alpha = math.exp(m_old - m_new)
-                        l[r] *= alpha
-                        for x in range(d):
-                            acc[r, x] *= alpha
-                        m[r] = m_new
-                    for c in range(cn):
-                        p = math.exp(sc[c] - m_new)
-                        l[r] += p
-                        for x in range(d):
-                            acc[r, x] += p * vbuf[c, x]
+                    rows[c] = row_base[s, j // block] + j % block
+                    for hk in range(hkv):
+                        _score(sc, qrows, k, rows[c], hk, group, nq, c, softcap, slopes, j, kv_len)
+                if moff >= 0:
+                    _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
+                _online_softmax(sc, m, l, acc, cn)
+                for c in range(cn):
+                    for hk in range(hkv):
+                        vrow = v[rows[c], hk]
+                        for r in range(hk * group * nq, (hk + 1) * group * nq):
+                            p = sc[r, c]
+                            for x in range(d):
+                                acc[r, x] += p * widen(vrow[x])
         for r in range(nrows):
-            h = hk * group + r // nq
-            t = q0 + r % nq
             if l[r] > 0.0:
-                inv = 1.0 / l[r]
+                inv = np.float32(1.0) / l[r]
                 for x in range(d):
-                    out[t, h, x] = acc[r, x] * inv
-                lse[t, h] = m[r] + math.log(l[r])
+                    part_out[item, r, x] = acc[r, x] * inv
+                part_lse[item, r] = m[r] + math.log(l[r])
             else:
                 for x in range(d):
+                    part_out[item, r, x] = 0.0
+                part_lse[item, r] = -np.inf
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _apply_mask(sc, mask_buf, moff, hstride, nq, hq, seg_len, offset, cn):  # pragma: no cover - compiled
+    for h in range(hq):
+        for i in range(nq):
+            base = moff + ((h * hstride) * nq + i) * seg_len + offset
+            for c in range(cn):
+                if mask_buf[base + c] == 0:
+                    sc[h * nq + i, c] = -np.inf
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _online_softmax(sc, m, l, acc, cn):  # pragma: no cover - compiled
+    """Turn scores ``sc[:, :cn]`` into probabilities relative to the running max, rescaling the state."""
+    d = acc.shape[1]
+    for r in range(sc.shape[0]):
+        mx = np.float32(-np.inf)
+        for c in range(cn):
+            mx = max(mx, sc[r, c])
+        m_new = max(m[r], mx)
+        if m_new == -np.inf:
+            for c in range(cn):
+                sc[r, c] = 0.0
+            continue
+        if m_new > m[r]:
+            alpha = fast_exp(m[r] - m_new)
+            l[r] *= alpha
+            for x in range(d):
+                acc[r, x] *= alpha
+            m[r] = m_new
+        total = np.float32(0.0)
+        for c in range(cn):
+            p = fast_exp(sc[r, c] - m_new)
+            sc[r, c] = p
+            total += p
+        l[r] += total
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def merge_parts_kernel(part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, out, lse):  # pragma: no cover
+    """Combine each sequence's parts by log-sum-exp into ``out [tokens, Hq, D]`` and ``lse [tokens, Hq]`` (f32)."""
+    hq = out.shape[1]
+    d = out.shape[2]
+    for s in prange(seq_q_len.shape[0]):
+        nq = seq_q_len[s]
+        for h in range(hq):
+            for i in range(nq):
+                r = h * nq + i
+                t = seq_q_start[s] + i
+                mx = -np.inf
+                for it in range(seq_item_lo[s], seq_item_hi[s]):
+                    mx = max(mx, part_lse[it, r])
+                if mx == -np.inf:
+                    for x in range(d):
+                        out[t, h, x] = 0.0
+                    lse[t, h] = -np.inf
+                    continue
+                total = 0.0
+                for x in range(d):
                     out[t, h, x] = 0.0
-                lse[t, h] = -np.inf
+                for it in range(seq_item_lo[s], seq_item_hi[s]):
+                    w = math.exp(part_lse[it, r] - mx)
+                    total += w
+                    for x in range(d):
+                        out[t, h, x] += w * part_out[it, r, x]
+                inv = 1.0 / total
+                for x in range(d):
+                    out[t, h, x] *= inv
+                lse[t, h] = mx + math.log(total)
