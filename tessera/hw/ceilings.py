@@ -26,6 +26,8 @@ from tessera.hw import probes
 #: Bump when the meaning of a field or the measuring method changes; older cache files are then re-measured.
 SCHEMA = 1
 CACHE_FILE = "ceilings.json"
+#: When other processes use more than this fraction of the CPUs during the probes, the measurement warns.
+BUSY = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,10 @@ class Ceilings:
         ISO-8601 UTC time of the measurement.
     measure_seconds : float
         Wall time the probes took.
+    others_busy : float
+        Fraction of the machine's CPU time other processes (or a hypervisor's other guests) used while the probes
+        ran, 0..1. Both ceilings come out low when it is high; above :data:`BUSY` they are suspect and
+        ``tessera info --refresh`` on an idle machine re-measures.
     """
 
     gemm_fp32_gflops: float
@@ -69,9 +75,10 @@ class Ceilings:
     read_bytes: int
     measured_at: str
     measure_seconds: float
+    others_busy: float
 
     def __post_init__(self) -> None:
-        for name in ("gemm_fp32_gflops", "read_gbps", "measure_seconds"):
+        for name in ("gemm_fp32_gflops", "read_gbps", "measure_seconds", "others_busy"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"Ceilings.{name} must be a finite float >= 0, got {value!r}")
@@ -125,9 +132,18 @@ def measure_ceilings() -> Ceilings:
     >>> c = measure_ceilings()
     >>> print(f"{c.gemm_fp32_gflops:.0f} GFLOP/s, {c.read_gbps:.1f} GB/s ({c.read_method})")
     """
-    start = time.perf_counter()
+    start, cpu_before = time.perf_counter(), probes.cpu_seconds()
     gemm = probes.measure_gemm_gflops()
     read, method = probes.measure_read_gbps()
+    wall = time.perf_counter() - start
+    others = probes.others_busy_fraction(cpu_before, probes.cpu_seconds(), wall)
+    if others > BUSY:
+        warnings.warn(
+            f"other processes used {others:.0%} of the CPUs while the ceilings were measured, so they came out low "
+            f"({gemm:.0f} GFLOP/s, {read:.1f} GB/s). Re-measure on an idle machine with `tessera info --refresh`",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Ceilings(
         gemm_fp32_gflops=round(gemm, 2),
         read_gbps=round(read, 2),
@@ -140,7 +156,8 @@ def measure_ceilings() -> Ceilings:
         gemm_size=probes.GEMM_SIZE,
         read_bytes=probes.READ_BYTES,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        measure_seconds=round(time.perf_counter() - start, 2),
+        measure_seconds=round(wall, 2),
+        others_busy=round(others, 3),
     )
 
 
@@ -159,7 +176,8 @@ def get_ceilings(refresh: bool = False) -> Ceilings:
     Examples
     --------
     >>> from tessera.hw import get_ceilings
-    >>> fraction = achieved_gflops / get_ceilings().gemm_fp32_gflops
+    >>> c = get_ceilings()
+    >>> print(f"{100.0 / c.gemm_fp32_gflops:.0%} of the fp32 GEMM ceiling")  # a kernel that reached 100 GFLOP/s
     """
     path = cache_path()
     key = machine_key(probes.cpu_model(), probes.num_cores(), torch.get_num_threads())

@@ -11,6 +11,7 @@ import platform
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 #: Square fp32 matmul size: large enough that MKL/oneDNN reaches its steady-state kernel, small enough (~0.2 s per
@@ -38,7 +39,7 @@ def best_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     return best
 
 
-def measure_gemm_gflops(n: int = GEMM_SIZE, reps: int = 5) -> float:
+def measure_gemm_gflops(n: int = GEMM_SIZE, reps: int = 8) -> float:
     """fp32 GEMM throughput of ``torch.matmul`` on square ``[n, n]`` matrices with all torch threads, in GFLOP/s.
 
     Examples
@@ -54,7 +55,7 @@ def measure_gemm_gflops(n: int = GEMM_SIZE, reps: int = 5) -> float:
     return 2.0 * n**3 / seconds / 1e9
 
 
-def measure_read_gbps(num_bytes: int = READ_BYTES, reps: int = 5) -> tuple[float, str]:
+def measure_read_gbps(num_bytes: int = READ_BYTES, reps: int = 10) -> tuple[float, str]:
     """Streaming read bandwidth over a buffer much larger than the last-level cache, with all threads.
 
     Tries ``torch.sum`` and a Numba ``prange`` reduction over the same fp32 buffer and keeps the faster: the
@@ -70,13 +71,16 @@ def measure_read_gbps(num_bytes: int = READ_BYTES, reps: int = 5) -> tuple[float
     numba_sum = _numba_parallel_sum()
     if numba_sum is not None:
         arr = buf.numpy()
-        results["numba prange sum"] = num_bytes / best_seconds(lambda: numba_sum(arr), reps) / 1e9
+        try:
+            results["numba prange sum"] = num_bytes / best_seconds(lambda: numba_sum(arr), reps) / 1e9
+        except Exception:  # Numba compiles on the first call; if it can't here, torch.sum's number stands alone
+            pass
     method = max(results, key=results.__getitem__)
     return results[method], method
 
 
 def _numba_parallel_sum() -> Callable | None:
-    """A compiled parallel fp32 sum, or None when Numba is missing or cannot compile here (torch.sum still runs)."""
+    """A parallel fp32 sum that Numba compiles on its first call, or None when Numba is not installed."""
     try:
         from numba import njit, prange
     except ImportError:
@@ -85,13 +89,43 @@ def _numba_parallel_sum() -> Callable | None:
     # fastmath lets LLVM reassociate the sum into several vector accumulators; without it the loop is latency-bound
     # on one add chain and measures the core, not the memory.
     @njit(parallel=True, fastmath=True, cache=False)
-    def parallel_sum(a):  # pragma: no cover - compiled
+    def parallel_sum(a: np.ndarray) -> float:  # pragma: no cover - compiled
         total = 0.0
         for i in prange(a.size):
             total += a[i]
         return total
 
     return parallel_sum
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds all processes have used, CPU seconds this process has used), or None off Linux.
+
+    Two snapshots around a probe give :func:`others_busy_fraction`. Hypervisor steal time counts as used: a
+    neighbour VM takes cycles from the probe just as a local process does.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            jiffies = [int(x) for x in f.readline().split()[1:]]
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal guest guest_nice (guest is in user).
+    busy = sum(jiffies[:8]) - jiffies[3] - jiffies[4]
+    own = os.times()
+    return busy / ticks, own.user + own.system
+
+
+def others_busy_fraction(before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float) -> float:
+    """Fraction of the machine's CPU time that other processes used between two :func:`cpu_seconds` snapshots.
+
+    0.0 means the probes had the machine to themselves; 0.5 on a 2-core machine means another process kept one
+    core busy, and the ceilings measured then are low. Returns 0.0 when unknown.
+    """
+    if before is None or after is None or wall <= 0:
+        return 0.0
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
 
 
 def cpu_model() -> str:

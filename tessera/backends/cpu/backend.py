@@ -8,7 +8,7 @@ from tessera.attention.merge import add_sinks
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, RaggedBatch
 from tessera.backends.cpu.decode import DECODE_MAX_Q, decode_attention, kernel_supports
-from tessera.backends.cpu.prefill import sequence_prefill
+from tessera.backends.cpu.prefill import prefill_attention
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,10 +38,8 @@ class CpuBackend:
         decode_seqs, prefill_seqs = self._split(batch, spec)
         if decode_seqs:
             decode_attention(q, k, v, batch, decode_seqs, spec, out, lse)
-        for s in prefill_seqs:
-            qs, ql, ks, kl = batch.q_starts[s], batch.q_lens[s], batch.kv_starts[s], batch.kv_lens[s]
-            o, l = sequence_prefill(q[qs : qs + ql], k[ks : ks + kl], v[ks : ks + kl], spec, s)
-            out[qs : qs + ql], lse[qs : qs + ql] = o, l
+        if prefill_seqs:
+            prefill_attention(q, k, v, batch, prefill_seqs, spec, out, lse)
         if spec.sinks is not None:
             out, lse = add_sinks(out, lse, spec.sinks)
         return out.to(q.dtype), lse

@@ -145,9 +145,11 @@ def decode_attention(
     rows_per_item = spec.num_q_heads * int(q_len.max())
     part_out = np.empty((len(item_seq), rows_per_item, spec.head_dim), dtype=np.float32)
     part_lse = np.empty((len(item_seq), rows_per_item), dtype=np.float32)
-    decode_attention_kernel(
-        q.to(torch.float32).numpy(), storage_view(k), storage_view(v), part_out, part_lse,
-        item_seq, item_lo, item_hi, q_start, q_len, kv_len, row_base, block, *segs.arrays(),
-        np.float32(spec.softmax_scale), np.float32(softcap), slopes,
-    )
+    # Chunks of one item, handed out dynamically: a descheduled thread then delays one item, not half the batch.
+    with numba.parallel_chunksize(1):
+        decode_attention_kernel(
+            q.to(torch.float32).numpy(), storage_view(k), storage_view(v), part_out, part_lse,
+            item_seq, item_lo, item_hi, q_start, q_len, kv_len, row_base, block, *segs.arrays(),
+            np.float32(spec.softmax_scale), np.float32(softcap), slopes,
+        )
     merge_parts_kernel(part_out, part_lse, seq_item_lo, seq_item_hi, q_start, q_len, out.numpy(), lse.numpy())

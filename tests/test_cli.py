@@ -1,0 +1,67 @@
+"""The ``tessera`` command line, with the ceilings probes faked so nothing is measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera import __version__
+from tessera.cli import main
+from tessera.hw import get_ceilings, probes
+
+
+@pytest.fixture(autouse=True)
+def fake_ceilings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(probes, "measure_gemm_gflops", lambda: 123.0)
+    monkeypatch.setattr(probes, "measure_read_gbps", lambda: (45.6, "torch.sum"))
+    monkeypatch.setattr(probes, "others_busy_fraction", lambda before, after, wall: 0.0)
+
+
+def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tessera"] == __version__
+    assert {"python", "torch", "numba", "triton"} <= set(info["versions"])
+    backends = {b["name"]: b for b in info["backends"]}
+    assert backends["reference"]["usable"] and backends["reference"]["reasons"] == []
+    assert all(b["usable"] == (not b["reasons"]) for b in backends.values())
+    assert [b["priority"] for b in info["backends"]] == sorted((b["priority"] for b in info["backends"]), reverse=True)
+    assert info["ceilings"]["gemm_fp32_gflops"] == 123.0 and info["ceilings"]["read_gbps"] == 45.6
+
+
+def test_info_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for text in ("tessera", "torch", "backends", "reference", "fp32 GEMM", "123.0 GFLOP/s", "45.6 GB/s"):
+        assert text in out
+
+
+def test_info_refresh_measures_again(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    get_ceilings()
+    monkeypatch.setattr(probes, "measure_gemm_gflops", lambda: 456.0)
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ceilings"]["gemm_fp32_gflops"] == 123.0
+    assert main(["info", "--json", "--refresh"]) == 0
+    assert json.loads(capsys.readouterr().out)["ceilings"]["gemm_fp32_gflops"] == 456.0
+
+
+def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert "info" in capsys.readouterr().err
+
+
+def test_python_dash_m_tessera(tmp_path: Path) -> None:
+    get_ceilings()  # cache an entry (faked) so the subprocess reads it instead of measuring
+    env = {**os.environ, "TESSERA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "tessera", "info", "--json"], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tessera"] == __version__
