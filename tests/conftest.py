@@ -11,7 +11,6 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import tessera.attention  # noqa: E402,F401  (must precede tessera.backends: tests/backends/test_registry.py)
 from tessera.backends import registered  # noqa: E402
 
 # Load the built-in backends before any test module imports one backend's module directly, so that every

@@ -54,7 +54,7 @@ def attention(
     out, lse = _run(q.reshape(bsz * sq, *q.shape[2:]), k.reshape(bsz * skv, *k.shape[2:]),
                     v.reshape(bsz * skv, *v.shape[2:]), batch, spec, backend)
     out = out.view(bsz, sq, *q.shape[2:])
-    return (out, lse.view(bsz, sq, -1)) if return_lse else out
+    return (out, lse.view(bsz, sq, spec.num_q_heads)) if return_lse else out
 
 
 def varlen_attention(

@@ -101,6 +101,8 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """The geometric slopes of the ALiBi paper for ``num_heads`` heads (float32 ``[num_heads]``)."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"alibi_slopes(num_heads) expects an int >= 1, got {num_heads!r}")
     closest = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-8.0 / closest)
     slopes = [base ** (i + 1) for i in range(closest)]

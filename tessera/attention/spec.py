@@ -5,10 +5,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tessera.attention.masks import Mask
 from tessera.attention.scores import ScoreMod
+
+
+def _finite_scale(scale: object) -> float:
+    """Accept Python, NumPy and 0-d torch reals; reject bools, non-finite values and anything else."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.dtype.is_floating_point:
+            raise ValueError(f"AttentionSpec.scale must be a finite float, got a tensor of shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise ValueError(f"AttentionSpec.scale must be a finite float, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"AttentionSpec.scale must be a finite float, got {scale!r}")
+    return float(scale)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,9 +85,7 @@ class AttentionSpec:
             self.score.check_heads(self.num_q_heads)
         self._check_sinks()
         if self.scale is not None:
-            if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
-                raise ValueError(f"AttentionSpec.scale must be a finite float, got {self.scale!r}")
-            object.__setattr__(self, "scale", float(self.scale))
+            object.__setattr__(self, "scale", _finite_scale(self.scale))
 
     def _check_sinks(self) -> None:
         sinks = self.sinks

@@ -89,8 +89,9 @@ def register(backend: Backend) -> Backend:
 
 def registered() -> dict[str, Backend]:
     """All registered backends by name, loading the built-in ones on first use."""
-    if not _REGISTRY:
-        from tessera.backends import cpu, reference, triton  # noqa: F401  (registration side effects)
+    # Import the built-in backends even when another one registered first (e.g. a test imported cpu directly).
+    from tessera.backends import cpu, reference, triton  # noqa: F401  (registration side effects)
+
     return dict(_REGISTRY)
 
 

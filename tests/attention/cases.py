@@ -13,7 +13,6 @@ from typing import Callable
 import pytest
 import torch
 
-import tessera.attention  # noqa: F401  (imported before tessera.backends: see tests/backends/test_registry.py)
 from tessera.attention import (
     AttentionSpec,
     alibi,
@@ -98,10 +97,11 @@ def make_inputs(layout: Layout, dtype: torch.dtype, gen: torch.Generator):
     """Random q, k, v in the layout's shape: ``[B, S, H, D]`` when dense, ``[tokens, H, D]`` when varlen."""
     hq, hkv, d = layout.num_q_heads, layout.num_kv_heads, layout.head_dim
     if layout.dense:
-        b, sq, skv = layout.batch, layout.q_lens[0], layout.kv_lens[0]
-        return randn(gen, b, sq, hq, d, dtype=dtype), randn(gen, b, skv, hkv, d, dtype=dtype), randn(gen, b, skv, hkv, d, dtype=dtype)
-    tq, tkv = sum(layout.q_lens), sum(layout.kv_lens)
-    return randn(gen, tq, hq, d, dtype=dtype), randn(gen, tkv, hkv, d, dtype=dtype), randn(gen, tkv, hkv, d, dtype=dtype)
+        q_rows, kv_rows = (layout.batch, layout.q_lens[0]), (layout.batch, layout.kv_lens[0])
+    else:
+        q_rows, kv_rows = (sum(layout.q_lens),), (sum(layout.kv_lens),)
+    return (randn(gen, *q_rows, hq, d, dtype=dtype), randn(gen, *kv_rows, hkv, d, dtype=dtype),
+            randn(gen, *kv_rows, hkv, d, dtype=dtype))
 
 
 def oracle(q, k, v, layout: Layout, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:

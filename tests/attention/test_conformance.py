@@ -28,10 +28,11 @@ from tests.attention.tolerances import assert_matches_oracle
 BACKENDS = backend_params()
 
 # Each variant runs on a dense batch (MQA, head_dim 80, queries the last part of the kv) and on a ragged batch
-# mixing decode (q_len 1), prefill (q_len = kv_len), chunked prefill, and empty sequences.
+# mixing decode (q_len 1 .. 7, kv up to 520), prefill (q_len = kv_len), chunked prefill (70 queries over 600 keys)
+# and empty sequences. Lengths straddle the cpu backend's tiles (64 queries, 256 and 512 keys) without matching them.
 LAYOUTS = [
-    pytest.param(dense_layout(batch=2, sq=29, skv=65, hq=4, hkv=1, d=80), id="dense"),
-    pytest.param(varlen_layout((1, 33, 20, 0, 0, 7), (64, 33, 130, 0, 9, 7), hq=4, hkv=2, d=64), id="varlen"),
+    pytest.param(dense_layout(batch=2, sq=70, skv=100, hq=4, hkv=1, d=80), id="dense"),
+    pytest.param(varlen_layout((1, 33, 70, 0, 0, 7, 5), (300, 33, 600, 0, 9, 7, 520), hq=4, hkv=2, d=64), id="varlen"),
 ]
 
 
@@ -85,6 +86,7 @@ RAGGED = [
     pytest.param((0, 0), (7, 0), id="no-queries-at-all"),
     pytest.param((1, 1, 1, 1), (1, 63, 65, 257), id="decode-batch"),
     pytest.param((63, 65, 1, 130), (63, 130, 600, 130), id="mixed"),
+    pytest.param((1, 8, 1, 3, 2), (1100, 700, 512, 1025, 2), id="long-decode-split-kv", marks=pytest.mark.slow),
 ]
 
 

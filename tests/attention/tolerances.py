@@ -77,14 +77,15 @@ def assert_matches_oracle(
     assert not lse.isnan().any() and not lse.isposinf().any(), f"lse has NaN or +inf{where}"
     ref_neg = ref_lse.isneginf()
     mismatch = ref_neg != lse.isneginf()
-    assert not mismatch.any(), (
-        f"lse -inf pattern differs at {int(mismatch.sum())} positions, first {mismatch.nonzero()[0].tolist()} "
-        f"(got {float(lse[tuple(mismatch.nonzero()[0])])}, expected {float(ref_lse[tuple(mismatch.nonzero()[0])])}){where}"
-    )
+    if mismatch.any():
+        first = tuple(mismatch.nonzero()[0].tolist())
+        raise AssertionError(f"lse -inf pattern differs at {int(mismatch.sum())} positions, first {list(first)} "
+                             f"(got {float(lse[first])}, expected {float(ref_lse[first])}){where}")
 
     zero_rows = (ref_out == 0).all(dim=-1)  # fully masked rows (with or without sinks)
     leaked = zero_rows & (out != 0).any(dim=-1)
-    assert not leaked.any(), f"{int(leaked.sum())} fully masked rows are not exactly 0, first {leaked.nonzero()[0].tolist()}{where}"
+    assert not leaked.any(), (
+        f"{int(leaked.sum())} fully masked rows are not exactly 0, first {leaked.nonzero()[0].tolist()}{where}")
 
     err = rel_err(out, ref_out)
     assert err <= tol, f"out error {err:.3g} > {tol:g} for {dtype}; {_worst(out, ref_out)}{where}"
