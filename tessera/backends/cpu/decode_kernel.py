@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core.extending import intrinsic, overload
 
-CHUNK = 16
+CHUNK = 32
 
 # fastmath without "nnan"/"ninf": the kernels rely on -inf for masked scores and empty rows.
 FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}
@@ -89,6 +89,42 @@ def fast_exp(x):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _dot_n(qrows, r, krow, n):  # pragma: no cover - compiled
+    acc = np.float32(0.0)
+    for x in range(n):
+        acc += qrows[r, x] * widen(krow[x])
+    return acc
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _dot(qrows, r, krow, d):  # pragma: no cover - compiled
+    """``qrows[r] . krow``. Common head dims get a literal trip count, which LLVM unrolls into straight zmm/ymm code
+    (measured: 10.5 -> 9.3 ms for the B=8, L=4096 fp32 decode)."""
+    if d == 128:
+        return _dot_n(qrows, r, krow, 128)
+    if d == 64:
+        return _dot_n(qrows, r, krow, 64)
+    return _dot_n(qrows, r, krow, d)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _axpy_n(acc, r, p, vrow, n):  # pragma: no cover - compiled
+    for x in range(n):
+        acc[r, x] += p * widen(vrow[x])
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _axpy(acc, r, p, vrow, d):  # pragma: no cover - compiled
+    """``acc[r] += p * vrow``, with literal trip counts for common head dims (see ``_dot``)."""
+    if d == 128:
+        _axpy_n(acc, r, p, vrow, 128)
+    elif d == 64:
+        _axpy_n(acc, r, p, vrow, 64)
+    else:
+        _axpy_n(acc, r, p, vrow, d)
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # pragma: no cover - compiled
     """Scores of every query row of kv head ``hk`` against key ``j`` (token row ``row``) into ``sc[:, c]``."""
     d = k.shape[2]
@@ -97,9 +133,7 @@ def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # 
         h = hk * group + g
         for i in range(nq):
             r = h * nq + i
-            acc = np.float32(0.0)
-            for x in range(d):
-                acc += qrows[r, x] * widen(krow[x])
+            acc = _dot(qrows, r, krow, d)
             if softcap > 0.0:
                 acc = softcap * math.tanh(acc / softcap)
             if slopes.shape[0] > 0:
@@ -161,9 +195,7 @@ def decode_attention_kernel(
                     for hk in range(hkv):
                         vrow = v[rows[c], hk]
                         for r in range(hk * group * nq, (hk + 1) * group * nq):
-                            p = sc[r, c]
-                            for x in range(d):
-                                acc[r, x] += p * widen(vrow[x])
+                            _axpy(acc, r, sc[r, c], vrow, d)
         for r in range(nrows):
             if l[r] > 0.0:
                 inv = np.float32(1.0) / l[r]
