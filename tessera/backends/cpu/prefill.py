@@ -132,35 +132,65 @@ def _run_q_tile(seq: _Sequence, qi: int, spec: AttentionSpec, out: torch.Tensor,
     heads = torch.arange(hq).view(-1, 1, 1)
     q_pos = torch.arange(a, e).view(1, -1, 1)
     state = _State(hkv * group * n)
-    for c, f, full in kv_runs(seq.classes[qi], seq.kv_lo, seq.kv_hi, KV_TILE):
-        kv_pos = torch.arange(c, f).view(1, 1, -1)
-        keep = None
-        if not full:
-            keep = spec.mask.evaluate(b, heads, q_pos, kv_pos)
-            if not bool(keep.any()):
-                continue
-            if bool(keep.all()):
-                keep = None
+    for run in kv_runs(seq.classes[qi], seq.kv_lo, seq.kv_hi, KV_TILE):
+        c, f = run.start, run.stop
+        masks = _partial_masks(spec, b, heads, q_pos, run)
+        if masks is None:
+            continue  # every tile of the run turned out empty
         s = torch.bmm(q_t, seq.k[:, c:f].transpose(1, 2), out=_scratch(hkv, group * n, f - c))  # == [Hq, n, tk]
         if spec.score is not None:
-            s = spec.score.apply(s.view(hq, n, f - c), b, heads, q_pos, kv_pos)
+            s = spec.score.apply(s.view(hq, n, f - c), b, heads, q_pos, torch.arange(c, f).view(1, 1, -1))
             s = s.to(torch.float32).reshape(hkv, group * n, f - c)
-        if keep is not None:
-            s.view(hq, n, f - c).masked_fill_(~keep, -math.inf)
+        for lo, hi, keep in masks:  # mask only the partial sub-ranges, not the whole run
+            s.view(hq, n, f - c)[:, :, lo - c : hi - c].masked_fill_(~keep, -math.inf)
         state.update(s, seq.v[:, c:f])
     if state.acc is not None:  # else every tile was empty: rows stay 0 / -inf
         _write_tile(state, out, lse, slice(seq.out_rows + rows.start, seq.out_rows + rows.stop), n, spec)
 
 
-def kv_runs(classes: np.ndarray, kv_lo: np.ndarray, kv_hi: np.ndarray, max_len: int) -> list[tuple[int, int, bool]]:
-    """Merge consecutive non-EMPTY kv tiles into runs ``(start, stop, all_full)`` of at most ``max_len`` keys."""
-    runs: list[tuple[int, int, bool]] = []
+@dataclass(slots=True)
+class _Run:
+    """Consecutive visited kv tiles ``[start, stop)``, with the sub-ranges whose tiles need the mask."""
+
+    start: int
+    stop: int
+    partial: list[tuple[int, int]]
+    has_full: bool
+
+
+def _partial_masks(
+    spec: AttentionSpec, b: torch.Tensor, heads: torch.Tensor, q_pos: torch.Tensor, run: _Run
+) -> list[tuple[int, int, torch.Tensor]] | None:
+    """Evaluate the mask on a run's partial sub-ranges; drop all-True ones; None when the whole run is empty."""
+    masks = []
+    any_kept = run.has_full
+    for lo, hi in run.partial:
+        keep = spec.mask.evaluate(b, heads, q_pos, torch.arange(lo, hi).view(1, 1, -1))
+        if not bool(keep.any()):
+            masks.append((lo, hi, keep))  # still applied: the run's other tiles are kept
+            continue
+        any_kept = True
+        if not bool(keep.all()):
+            masks.append((lo, hi, keep))
+    return masks if any_kept else None
+
+
+def kv_runs(classes: np.ndarray, kv_lo: np.ndarray, kv_hi: np.ndarray, max_len: int) -> list[_Run]:
+    """Merge consecutive non-EMPTY kv tiles into runs of at most ``max_len`` keys (big GEMMs), remembering which
+    sub-ranges are PARTIAL (adjacent partial tiles merge into one sub-range)."""
+    runs: list[_Run] = []
     for t in np.flatnonzero(classes != EMPTY):
         c, f, full = int(kv_lo[t]), int(kv_hi[t]), bool(classes[t] == FULL)
-        if runs and runs[-1][1] == c and f - runs[-1][0] <= max_len:
-            runs[-1] = (runs[-1][0], f, runs[-1][2] and full)
+        if not runs or runs[-1].stop != c or f - runs[-1].start > max_len:
+            runs.append(_Run(c, c, [], False))
+        run = runs[-1]
+        run.stop = f
+        if full:
+            run.has_full = True
+        elif run.partial and run.partial[-1][1] == c:
+            run.partial[-1] = (run.partial[-1][0], f)
         else:
-            runs.append((c, f, full))
+            run.partial.append((c, f))
     return runs
 
 
