@@ -16,6 +16,7 @@ tile would redo the conversion for every query tile.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from threadpoolctl import ThreadpoolController
 
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
@@ -71,10 +73,11 @@ class _State:
     def update(self, p: torch.Tensor, v_tile: torch.Tensor) -> None:
         """Fold score tile ``p [Hkv, R, tk]`` (overwritten with probabilities) and ``v_tile [Hkv, tk, D]``."""
         online_softmax_tile(p.view(-1, p.shape[-1]).numpy(), self.m.numpy(), self.l.numpy(), self.alpha.numpy())
+        pv = np.matmul(p.numpy(), v_tile.numpy())
         if self.acc is None:
-            self.acc = torch.bmm(p, v_tile)
+            self.acc = torch.from_numpy(pv)
         else:
-            self.acc.mul_(self.alpha.view(p.shape[0], p.shape[1], 1)).baddbmm_(p, v_tile)
+            self.acc.mul_(self.alpha.view(p.shape[0], p.shape[1], 1)).add_(torch.from_numpy(pv))
 
 
 def prefill_attention(
@@ -137,7 +140,8 @@ def _run_q_tile(seq: _Sequence, qi: int, spec: AttentionSpec, out: torch.Tensor,
         masks = _partial_masks(spec, b, heads, q_pos, run)
         if masks is None:
             continue  # every tile of the run turned out empty
-        s = torch.bmm(q_t, seq.k[:, c:f].transpose(1, 2), out=_scratch(hkv, group * n, f - c))  # == [Hq, n, tk]
+        s = _scratch(hkv, group * n, f - c)  # == [Hq, n, tk]
+        np.matmul(q_t.numpy(), seq.k[:, c:f].numpy().transpose(0, 2, 1), out=s.numpy())
         if spec.score is not None:
             s = spec.score.apply(s.view(hq, n, f - c), b, heads, q_pos, torch.arange(c, f).view(1, 1, -1))
             s = s.to(torch.float32).reshape(hkv, group * n, f - c)
@@ -230,10 +234,16 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
+@functools.cache
+def _blas_controller() -> ThreadpoolController:
+    """Found once: scanning the loaded libraries costs about a millisecond per call."""
+    return ThreadpoolController()
+
+
 @contextmanager
 def _torch_single_threaded() -> Iterator[None]:
-    """Run torch ops single-threaded while our own tasks supply the parallelism; restore the setting after."""
-    with _THREADS_LOCK:
+    """Run torch ops and BLAS calls single-threaded while our own tasks supply the parallelism; restore after."""
+    with _THREADS_LOCK, _blas_controller().limit(limits=1, user_api="blas"):
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
