@@ -1,8 +1,9 @@
 """Decode-shaped attention on the CPU: host-side planning of kv segments, then one Numba kernel call per batch.
 
 A sequence is decode-shaped when it has few queries (``q_len <= DECODE_MAX_Q``): its work is reading K/V once, not
-GEMM throughput. The plan walks each sequence's kv in tiles of ``SEGMENT_TILE`` keys, drops EMPTY tiles, merges
-consecutive FULL tiles into one segment, and evaluates the mask only on PARTIAL tiles (stored as uint8 for the kernel).
+GEMM throughput. The plan walks each sequence's kv in tiles of ``SEGMENT_TILE`` keys, drops EMPTY tiles, keeps every
+other tile as one segment (so split-KV can cut between any two), and evaluates the mask only on PARTIAL tiles (stored
+as uint8 for the kernel).
 """
 
 from __future__ import annotations
