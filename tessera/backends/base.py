@@ -118,3 +118,33 @@ def select(request: AttentionRequest, name: str = "auto") -> Backend:
     raise BackendUnavailableError(
         f"no backend can run {request.spec!r} on {request.device} with {request.dtype}:\n" + "\n".join(refusals)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Where the keys of each sequence live in a token-row view ``k_rows [rows, Hkv, D]`` of the KV storage.
+
+    Key ``j`` of sequence ``s`` is row ``row_base[s, j // block] + j % block``. A contiguous ragged batch is one block
+    per sequence (``row_base[s, 0] = kv_starts[s]``); a paged cache has ``row_base = page_table * page_size`` and
+    ``block = page_size``, with ``k_rows = k_pages.view(-1, Hkv, D)``.
+    """
+
+    row_base: np.ndarray  # int64 [num_seqs, max_blocks]
+    block: int
+
+    @staticmethod
+    def contiguous(batch: RaggedBatch) -> KVLayout:
+        base = np.asarray(batch.kv_starts, dtype=np.int64).reshape(-1, 1)
+        return KVLayout(base, max(max(batch.kv_lens, default=0), 1))
+
+    @staticmethod
+    def paged(page_table: np.ndarray, page_size: int) -> KVLayout:
+        return KVLayout(np.asarray(page_table, dtype=np.int64) * page_size, page_size)
+
+    def rows(self, s: int, kv_len: int) -> np.ndarray | slice:
+        """Row indices of sequence ``s``'s first ``kv_len`` keys (a slice when they are contiguous)."""
+        if kv_len <= self.block:
+            start = int(self.row_base[s, 0])
+            return slice(start, start + kv_len)
+        j = np.arange(kv_len, dtype=np.int64)
+        return self.row_base[s, j // self.block] + j % self.block

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tessera.attention.merge import add_sinks
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import AttentionRequest, RaggedBatch
-from tessera.backends.cpu.decode import DECODE_MAX_Q, decode_attention, kernel_supports
+from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
+from tessera.backends.cpu.decode import DECODE_MAX_Q, DecodePlan, kernel_supports
 from tessera.backends.cpu.prefill import prefill_attention
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPlan:
+    spec: AttentionSpec
+    batch: RaggedBatch
+    layout: KVLayout
+    decode: DecodePlan | None
+    prefill_seqs: list[int]
 
 
 class CpuBackend:
@@ -35,14 +46,25 @@ class CpuBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.zeros(batch.total_q, spec.num_q_heads, spec.head_dim, dtype=torch.float32)
         lse = torch.full((batch.total_q, spec.num_q_heads), float("-inf"), dtype=torch.float32)
-        decode_seqs, prefill_seqs = self._split(batch, spec)
-        if decode_seqs:
-            decode_attention(q, k, v, batch, decode_seqs, spec, out, lse)
-        if prefill_seqs:
-            prefill_attention(q, k, v, batch, prefill_seqs, spec, out, lse)
+        plan = self.plan(spec, batch, KVLayout.contiguous(batch))
+        self.run(plan, q, k, v, out, lse)
         if spec.sinks is not None:
             out, lse = add_sinks(out, lse, spec.sinks)
         return out.to(q.dtype), lse
+
+    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> CpuPlan:
+        """Host-side work of one step: routing, decode segments and masks of partial decode tiles."""
+        decode_seqs, prefill_seqs = self._split(batch, spec)
+        decode = DecodePlan.build(batch, decode_seqs, spec, layout) if decode_seqs else None
+        return CpuPlan(spec, batch, layout, decode, prefill_seqs)
+
+    def run(self, plan: CpuPlan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Fill ``out`` / ``lse`` (float32, without sinks) for one layer; K/V are token rows addressed by the plan."""
+        if plan.decode is not None:
+            plan.decode.run(q, k_rows, v_rows, out, lse)
+        if plan.prefill_seqs:
+            prefill_attention(q, k_rows, v_rows, plan.batch, plan.layout, plan.prefill_seqs, plan.spec, out, lse)
 
     @staticmethod
     def _split(batch: RaggedBatch, spec: AttentionSpec) -> tuple[list[int], list[int]]:

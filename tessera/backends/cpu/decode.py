@@ -8,6 +8,8 @@ as uint8 for the kernel).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 import torch
@@ -15,7 +17,7 @@ import torch
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.scores import Alibi, Softcap
 from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
-from tessera.backends.base import RaggedBatch
+from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu.decode_kernel import decode_attention_kernel, merge_parts_kernel
 
 DECODE_MAX_Q = 8
@@ -117,40 +119,55 @@ def _split_items(segs: _Segments, seq_seg_ranges: list[tuple[int, int]]) -> tupl
     return tuple(np.asarray(a, dtype=np.int64) for a in (item_seq, item_lo, item_hi, seq_lo, seq_hi))
 
 
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, seqs: list[int], spec: AttentionSpec,
-    out: torch.Tensor, lse: torch.Tensor,
-) -> None:
-    """Run the listed sequences of ``batch`` through the Numba kernel, writing their rows of ``out`` / ``lse``.
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Everything the decode kernel needs that depends on lengths and the mask, never on tensor values.
 
-    Parameters
-    ----------
-    q : ``[total_q, Hq, D]``; k, v : ``[total_kv, Hkv, D]`` contiguous, float32 / bfloat16 / float16.
-    seqs : indices of decode-shaped sequences.
-    out : float32 ``[total_q, Hq, D]``; lse : float32 ``[total_q, Hq]`` (without sinks), both contiguous.
+    Built once per step (mask evaluation of partial tiles included) and reused by every layer with the same spec.
     """
-    segs = _Segments()
-    ranges = []
-    for s in seqs:
-        lo = len(segs.start)
-        _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s])
-        ranges.append((lo, len(segs.start)))
-    item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges)
-    q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)
-    q_len = np.array([batch.q_lens[s] for s in seqs], dtype=np.int64)
-    kv_len = np.array([batch.kv_lens[s] for s in seqs], dtype=np.int64)
-    row_base = np.array([[batch.kv_starts[s]] for s in seqs], dtype=np.int64)
-    block = max(max(batch.kv_lens), 1)
-    softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
-    slopes = spec.score.slopes.numpy() if isinstance(spec.score, Alibi) else np.zeros(0, dtype=np.float32)
-    rows_per_item = spec.num_q_heads * int(q_len.max())
-    part_out = np.empty((len(item_seq), rows_per_item, spec.head_dim), dtype=np.float32)
-    part_lse = np.empty((len(item_seq), rows_per_item), dtype=np.float32)
-    # Chunks of one item, handed out dynamically: a descheduled thread then delays one item, not half the batch.
-    with numba.parallel_chunksize(1):
-        decode_attention_kernel(
-            q.to(torch.float32).numpy(), storage_view(k), storage_view(v), part_out, part_lse,
-            item_seq, item_lo, item_hi, q_start, q_len, kv_len, row_base, block, *segs.arrays(),
-            np.float32(spec.softmax_scale), np.float32(softcap), slopes,
+
+    arrays: tuple  # positional kernel arguments after q, k, v, part_out, part_lse (see decode_attention_kernel)
+    seq_item_lo: np.ndarray
+    seq_item_hi: np.ndarray
+    q_start: np.ndarray
+    q_len: np.ndarray
+    num_items: int
+    rows_per_item: int
+    head_dim: int
+
+    @staticmethod
+    def build(batch: RaggedBatch, seqs: list[int], spec: AttentionSpec, layout: KVLayout) -> DecodePlan:
+        segs = _Segments()
+        ranges = []
+        for s in seqs:
+            lo = len(segs.start)
+            _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s])
+            ranges.append((lo, len(segs.start)))
+        item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges)
+        q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)
+        q_len = np.array([batch.q_lens[s] for s in seqs], dtype=np.int64)
+        kv_len = np.array([batch.kv_lens[s] for s in seqs], dtype=np.int64)
+        softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
+        slopes = spec.score.slopes.numpy() if isinstance(spec.score, Alibi) else np.zeros(0, dtype=np.float32)
+        arrays = (
+            item_seq, item_lo, item_hi, q_start, q_len, kv_len, np.ascontiguousarray(layout.row_base[seqs]),
+            layout.block, *segs.arrays(), np.float32(spec.softmax_scale), np.float32(softcap), slopes,
         )
-    merge_parts_kernel(part_out, part_lse, seq_item_lo, seq_item_hi, q_start, q_len, out.numpy(), lse.numpy())
+        return DecodePlan(arrays, seq_item_lo, seq_item_hi, q_start, q_len, len(item_seq),
+                          spec.num_q_heads * int(q_len.max()), spec.head_dim)
+
+    def run(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Write the planned sequences' rows of ``out`` / ``lse`` (float32, contiguous, without sinks).
+
+        q : ``[total_q, Hq, D]``; k_rows, v_rows : ``[rows, Hkv, D]`` contiguous, float32 / bfloat16 / float16.
+        """
+        part_out = np.empty((self.num_items, self.rows_per_item, self.head_dim), dtype=np.float32)
+        part_lse = np.empty((self.num_items, self.rows_per_item), dtype=np.float32)
+        # Chunks of one item, handed out dynamically: a descheduled thread then delays one item, not half the batch.
+        with numba.parallel_chunksize(1):
+            decode_attention_kernel(
+                q.to(torch.float32).numpy(), storage_view(k_rows), storage_view(v_rows), part_out, part_lse,
+                *self.arrays,
+            )
+        merge_parts_kernel(part_out, part_lse, self.seq_item_lo, self.seq_item_hi, self.q_start, self.q_len,
+                           out.numpy(), lse.numpy())

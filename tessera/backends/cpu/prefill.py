@@ -30,7 +30,7 @@ from threadpoolctl import ThreadpoolController
 
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
-from tessera.backends.base import RaggedBatch
+from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu.softmax_kernel import online_softmax_tile
 
 #: Query positions per tile; with G query heads per KV head the GEMM has G * Q_TILE rows.
@@ -82,18 +82,19 @@ class _State:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, seqs: list[int], spec: AttentionSpec,
-    out: torch.Tensor, lse: torch.Tensor,
+    q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, batch: RaggedBatch, layout: KVLayout,
+    seqs: list[int], spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor,
 ) -> None:
     """Attention of the listed sequences of ``batch`` through BLAS tiles, writing their rows of ``out`` / ``lse``.
 
     Parameters
     ----------
-    q : ``[total_q, Hq, D]``; k, v : ``[total_kv, Hkv, D]``; float32, bfloat16 or float16.
+    q : ``[total_q, Hq, D]``; k_rows, v_rows : ``[rows, Hkv, D]`` token rows addressed by ``layout`` (a ragged batch
+        or a paged cache); float32, bfloat16 or float16.
     seqs : indices of the sequences to run.
     out : float32 ``[total_q, Hq, D]`` and lse : float32 ``[total_q, Hq]`` (without sinks).
     """
-    prepared = [_prepare(q, k, v, batch, s, spec) for s in seqs if batch.kv_lens[s] > 0]
+    prepared = [_prepare(q, k_rows, v_rows, batch, layout, s, spec) for s in seqs if batch.kv_lens[s] > 0]
     tasks = [(seq, qi) for seq in prepared for qi in range(len(seq.q_lo))]
     # Largest first: a causal sequence's last query tiles visit the most keys.
     tasks.sort(key=lambda t: -_visited_keys(t[0], t[1]))
@@ -107,14 +108,19 @@ def prefill_attention(
         list(_pool(workers).map(run, tasks))
 
 
-def _prepare(q, k, v, batch: RaggedBatch, s: int, spec: AttentionSpec) -> _Sequence:
-    qs, ql, ks, kl = batch.q_starts[s], batch.q_lens[s], batch.kv_starts[s], batch.kv_lens[s]
+def _prepare(q, k_rows, v_rows, batch: RaggedBatch, layout: KVLayout, s: int, spec: AttentionSpec) -> _Sequence:
+    """Widen this sequence's K/V to float32 ``[Hkv, kv_len, D]`` once (from pages: one gather per sequence, the same
+    pass the widening needs anyway), and classify its tiles."""
+    qs, ql, kl = batch.q_starts[s], batch.q_lens[s], batch.kv_lens[s]
+    rows = layout.rows(s, kl)
+    if not isinstance(rows, slice):
+        rows = torch.from_numpy(rows)
     q_lo, q_hi = tile_bounds(kl - ql, kl, Q_TILE)
     kv_lo, kv_hi = tile_bounds(0, kl, KV_CLASSIFY_TILE)
     return _Sequence(
         index=s, q=q[qs : qs + ql],
-        k=k[ks : ks + kl].permute(1, 0, 2).to(torch.float32).contiguous(),
-        v=v[ks : ks + kl].permute(1, 0, 2).to(torch.float32).contiguous(),
+        k=k_rows[rows].permute(1, 0, 2).to(torch.float32).contiguous(),
+        v=v_rows[rows].permute(1, 0, 2).to(torch.float32).contiguous(),
         out_rows=qs, q_start=kl - ql, q_lo=q_lo, q_hi=q_hi, kv_lo=kv_lo, kv_hi=kv_hi,
         classes=classify_tiles(spec.mask, s, q_lo, q_hi, kv_lo, kv_hi),
     )
