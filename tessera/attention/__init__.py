@@ -27,7 +27,8 @@ from tessera.attention.masks import (
     prefix_lm,
     sliding_window,
 )
-from tessera.attention.merge import merge_states
+from tessera.attention.merge import add_sinks, merge_states
+from tessera.attention.plan import AttentionPlan, plan
 from tessera.attention.scores import ScoreMod, alibi, alibi_slopes, custom_score, softcap
 from tessera.attention.spec import AttentionSpec
 
@@ -51,7 +52,7 @@ def custom(fn: Callable) -> Mask | ScoreMod:
 
 
 __all__ = [
-    "EMPTY", "FULL", "PARTIAL", "AttentionSpec", "Mask", "ScoreMod", "alibi", "alibi_slopes", "attention", "causal",
-    "chunked", "custom", "custom_mask", "custom_score", "document", "merge_states", "prefix_lm", "sliding_window",
+    "EMPTY", "FULL", "PARTIAL", "AttentionPlan", "AttentionSpec", "add_sinks", "Mask", "ScoreMod", "alibi", "alibi_slopes", "attention", "causal",
+    "chunked", "custom", "custom_mask", "custom_score", "document", "merge_states", "plan", "prefix_lm", "sliding_window",
     "softcap", "varlen_attention",
 ]

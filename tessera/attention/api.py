@@ -83,7 +83,7 @@ def varlen_attention(
     ``[sum(q_lens), Hq, D]`` in q's dtype (and lse ``[sum(q_lens), Hq]`` float32 when asked).
     """
     _check_tensors(q, k, v, spec, ndim=3)
-    q_lens_t, kv_lens_t = _as_lengths(q_lens, "q_lens"), _as_lengths(kv_lens, "kv_lens")
+    q_lens_t, kv_lens_t = as_lengths(q_lens, "q_lens"), as_lengths(kv_lens, "kv_lens")
     if len(q_lens_t) != len(kv_lens_t):
         raise ValueError(f"varlen_attention: {len(q_lens_t)} q_lens but {len(kv_lens_t)} kv_lens; give one of each per sequence")
     for s, (ql, kl) in enumerate(zip(q_lens_t, kv_lens_t)):
@@ -109,17 +109,17 @@ def _run(q, k, v, batch: RaggedBatch, spec: AttentionSpec, backend: str):
     return chosen.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), batch, spec)
 
 
-def _as_lengths(lens, name: str) -> tuple[int, ...]:
+def as_lengths(lens, name: str, where: str = "varlen_attention") -> tuple[int, ...]:
     if isinstance(lens, torch.Tensor):
         if lens.dim() != 1 or lens.dtype.is_floating_point or lens.dtype == torch.bool:
-            raise TypeError(f"varlen_attention: {name} must be a 1-D integer tensor or a list of ints, got {lens.dtype} {tuple(lens.shape)}")
+            raise TypeError(f"{where}: {name} must be a 1-D integer tensor or a list of ints, got {lens.dtype} {tuple(lens.shape)}")
         lens = lens.tolist()
     try:
         out = tuple(int(x) for x in lens)
     except (TypeError, ValueError):
-        raise TypeError(f"varlen_attention: {name} must be a list of ints or a 1-D int tensor, got {lens!r}") from None
+        raise TypeError(f"{where}: {name} must be a list of ints or a 1-D int tensor, got {lens!r}") from None
     if any(x < 0 for x in out):
-        raise ValueError(f"varlen_attention: {name} must be >= 0, got {list(out)}")
+        raise ValueError(f"{where}: {name} must be >= 0, got {list(out)}")
     return out
 
 

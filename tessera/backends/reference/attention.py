@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tessera.attention.spec import AttentionSpec
@@ -77,3 +79,25 @@ class ReferenceBackend:
     def varlen_attention(self, q, k, v, batch, spec):
         out, lse = varlen_attention_f64(q, k, v, batch, spec)
         return out.to(q.dtype), lse.float()
+
+    def plan(self, spec, batch, layout):
+        return (spec, batch, layout)
+
+    def run(self, plan, q, k_rows, v_rows, out, lse):
+        """Gather each sequence's rows into a contiguous batch (the oracle may copy) and fill ``out`` / ``lse``.
+
+        Like every backend's ``run``, the result excludes sinks: the caller folds them in once (``add_sinks``).
+        """
+        spec, batch, layout = plan
+        k_rows, v_rows = _gather(k_rows, batch, layout), _gather(v_rows, batch, layout)
+        o, l = varlen_attention_f64(q, k_rows, v_rows, batch, dataclasses.replace(spec, sinks=None))
+        out.copy_(o)
+        lse.copy_(l)
+
+
+def _gather(rows: torch.Tensor, batch, layout) -> torch.Tensor:
+    parts = []
+    for s in range(batch.num_seqs):
+        r = layout.rows(s, batch.kv_lens[s])
+        parts.append(rows[r] if isinstance(r, slice) else rows[torch.from_numpy(r)])
+    return torch.cat(parts) if parts else rows[:0]

@@ -1,0 +1,142 @@
+"""Plan once per step, run per layer: batched attention over a paged KV cache.
+
+``plan`` does the host-side work of a step once (validation, routing of each sequence to a kernel, block-sparse tile
+lists, masks of partial tiles, split-KV work items); ``AttentionPlan.run`` then runs one layer. Plans depend on
+lengths and the page table, never on tensor values, so every layer with the same spec reuses one plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tessera.attention.api import SUPPORTED_DTYPES, as_lengths
+from tessera.attention.merge import add_sinks
+from tessera.attention.spec import AttentionSpec
+from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
+
+
+class AttentionPlan:
+    """A planned step; call :meth:`run` once per layer. Build it with :func:`plan`."""
+
+    def __init__(self, spec: AttentionSpec, batch: RaggedBatch, page_table: np.ndarray, page_size: int,
+                 backend_name: str) -> None:
+        self.spec, self.batch, self.page_size = spec, batch, page_size
+        self._layout = KVLayout.paged(page_table, page_size)
+        used = [page_table[s, : math.ceil(kl / page_size)] for s, kl in enumerate(batch.kv_lens)]
+        self._max_page = max((int(u.max()) for u in used if u.size), default=-1)
+        self._backend_name = backend_name
+        self._backend = None
+        self._state = None
+
+    def run(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, return_lse: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of every planned sequence against its pages.
+
+        Parameters
+        ----------
+        q : torch.Tensor ``[sum(q_lens), Hq, D]``
+        k_pages, v_pages : torch.Tensor ``[num_pages, page_size, Hkv, D]``, q's dtype and device
+        return_lse : also return the log-sum-exp ``[sum(q_lens), Hq]`` float32 (sinks included).
+
+        Returns
+        -------
+        ``[sum(q_lens), Hq, D]`` in q's dtype (and lse when asked).
+        """
+        self._check(q, k_pages, v_pages)
+        if self._backend is None:
+            self._backend = select(AttentionRequest(self.spec, q.dtype, q.device, layout="paged"), self._backend_name)
+            self._state = self._backend.plan(self.spec, self.batch, self._layout)
+        spec = self.spec
+        out = torch.zeros(self.batch.total_q, spec.num_q_heads, spec.head_dim, dtype=torch.float32)
+        lse = torch.full((self.batch.total_q, spec.num_q_heads), -math.inf, dtype=torch.float32)
+        rows_shape = (-1, spec.num_kv_heads, spec.head_dim)
+        self._backend.run(self._state, q.contiguous(), k_pages.reshape(rows_shape), v_pages.reshape(rows_shape), out, lse)
+        if spec.sinks is not None:
+            out, lse = add_sinks(out, lse, spec.sinks)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _check(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+        spec, where = self.spec, "AttentionPlan.run"
+        for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{where}: {name} must be a float32/bfloat16/float16 tensor, got {getattr(t, 'dtype', type(t))}")
+        if q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
+            raise TypeError(f"{where}: q, k_pages, v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        if tuple(q.shape) != (self.batch.total_q, spec.num_q_heads, spec.head_dim):
+            raise ValueError(f"{where}: q must be [sum(q_lens), Hq, D] = "
+                             f"{[self.batch.total_q, spec.num_q_heads, spec.head_dim]}, got {list(q.shape)}")
+        want = (self.page_size, spec.num_kv_heads, spec.head_dim)
+        if k_pages.dim() != 4 or tuple(k_pages.shape[1:]) != want or k_pages.shape != v_pages.shape:
+            raise ValueError(f"{where}: k_pages and v_pages must both be [num_pages, {', '.join(map(str, want))}] "
+                             f"(page_size, Hkv, D), got {list(k_pages.shape)} and {list(v_pages.shape)}")
+        if self._max_page >= k_pages.shape[0]:
+            raise ValueError(f"{where}: the page table uses page {self._max_page} but the cache has only "
+                             f"{k_pages.shape[0]} pages")
+
+
+def plan(
+    spec: AttentionSpec,
+    q_lens: list[int] | torch.Tensor,
+    kv_lens: list[int] | torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    *,
+    backend: str = "auto",
+) -> AttentionPlan:
+    """Plan one step of batched attention over a paged KV cache.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+    q_lens, kv_lens : list of int or int tensor ``[batch]``; ``q_lens[s] <= kv_lens[s]``
+        Sequence ``s`` has ``kv_lens[s]`` tokens in the cache, the last ``q_lens[s]`` of which are its queries (prefill
+        of a new prompt: q = kv; after a cached prefix or in chunked prefill: q < kv; decode: q = 1; verification: 2-8).
+    page_table : int32 tensor ``[batch, max_pages]``
+        Row ``s`` lists sequence ``s``'s pages in order; entries past ``ceil(kv_lens[s] / page_size)`` are ignored.
+    page_size : tokens per page.
+    backend : "auto" or a backend name.
+
+    Examples
+    --------
+    >>> p = plan(spec, q_lens=[5, 1], kv_lens=[5, 300], page_table=table, page_size=16)
+    >>> for layer in range(num_layers):
+    ...     out = p.run(q[layer], cache.k_pages[layer], cache.v_pages[layer])
+    """
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"plan: spec must be an AttentionSpec, got {type(spec).__name__}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"plan: page_size must be an int >= 1, got {page_size!r}")
+    q_lens_t, kv_lens_t = as_lengths(q_lens, "q_lens", "plan"), as_lengths(kv_lens, "kv_lens", "plan")
+    if len(q_lens_t) != len(kv_lens_t):
+        raise ValueError(f"plan: {len(q_lens_t)} q_lens but {len(kv_lens_t)} kv_lens; give one of each per sequence")
+    for s, (ql, kl) in enumerate(zip(q_lens_t, kv_lens_t)):
+        if ql > kl:
+            raise ValueError(f"plan: sequence {s} has q_len {ql} > kv_len {kl}; the cache must hold the queries' k/v")
+    table = _check_page_table(page_table, kv_lens_t, page_size)
+    batch = RaggedBatch(q_lens_t, kv_lens_t)
+    if spec.mask is not None:
+        spec.mask.check_lengths(batch.num_seqs, list(kv_lens_t), dense=False)
+    return AttentionPlan(spec, batch, table, page_size, backend)
+
+
+def _check_page_table(page_table: torch.Tensor, kv_lens: tuple[int, ...], page_size: int) -> np.ndarray:
+    if not isinstance(page_table, torch.Tensor) or page_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"plan: page_table must be an int32 tensor [batch, max_pages], got "
+                        f"{getattr(page_table, 'dtype', type(page_table).__name__)}")
+    if page_table.dim() != 2 or page_table.shape[0] != len(kv_lens):
+        raise ValueError(f"plan: page_table must be [batch, max_pages] with batch = {len(kv_lens)}, got "
+                         f"{list(page_table.shape)}")
+    table = page_table.detach().cpu().numpy().astype(np.int64)
+    for s, kl in enumerate(kv_lens):
+        need = math.ceil(kl / page_size)
+        if need > table.shape[1]:
+            raise ValueError(f"plan: sequence {s} needs {need} pages for {kl} tokens at page_size {page_size}, but "
+                             f"page_table has {table.shape[1]} columns")
+        if need and table[s, :need].min() < 0:
+            raise ValueError(f"plan: sequence {s} has a negative page id among its first {need} pages")
+    return table

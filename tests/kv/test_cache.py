@@ -1,0 +1,53 @@
+"""PagedKVCache: layout, the fused slot write, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.kv import PagedKVCache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_stores_every_token_in_its_slot_and_nothing_else(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(num_layers=2, num_pages=5, page_size=4, num_kv_heads=3, head_dim=8, dtype=dtype)
+    for layer in range(2):  # poison: any slot the write does not own must keep this value
+        cache.k_pages[layer].fill_(7.0)
+        cache.v_pages[layer].fill_(-7.0)
+    k = torch.randn(6, 3, 8, generator=gen).to(dtype)
+    v = torch.randn(6, 3, 8, generator=gen).to(dtype)
+    slots = torch.tensor([19, 0, 5, 6, 7, 12])  # crosses pages, unordered, partial pages
+    cache.write(1, k, v, slots)
+    k_rows, v_rows = cache.k_pages[1].view(-1, 3, 8), cache.v_pages[1].view(-1, 3, 8)
+    assert torch.equal(k_rows[slots], k) and torch.equal(v_rows[slots], v)
+    others = torch.ones(20, dtype=torch.bool)
+    others[slots] = False
+    assert (k_rows[others] == 7).all() and (v_rows[others] == -7).all()
+    assert (cache.k_pages[0] == 7).all() and (cache.v_pages[0] == -7).all()
+    assert cache.k_pages[1].shape == (5, 4, 3, 8)
+
+
+def test_empty_write_is_a_no_op() -> None:
+    cache = PagedKVCache(1, 2, 4, 1, 8, torch.float32)
+    cache.write(0, torch.empty(0, 1, 8), torch.empty(0, 1, 8), [])
+    assert (cache.k_pages[0] == 0).all()
+
+
+def test_bad_writes_and_configs_raise_clear_errors() -> None:
+    cache = PagedKVCache(1, 2, 4, 2, 8, torch.float32)
+    k = torch.randn(2, 2, 8)
+    with pytest.raises(ValueError, match=r"slots must lie in \[0, 8\)"):
+        cache.write(0, k, k, [1, 8])
+    with pytest.raises(ValueError, match="same slot"):
+        cache.write(0, k, k, [3, 3])
+    with pytest.raises(ValueError, match="one slot per token"):
+        cache.write(0, k, k, [3])
+    with pytest.raises(ValueError, match=r"\[tokens, 2, 8\] torch.float32"):
+        cache.write(0, k.bfloat16(), k.bfloat16(), [1, 2])
+    with pytest.raises(IndexError, match="layer 1 out of range"):
+        cache.write(1, k, k, [1, 2])
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        PagedKVCache(1, 2, 0, 2, 8, torch.float32)
+    with pytest.raises(TypeError, match="dtype must be"):
+        PagedKVCache(1, 2, 4, 2, 8, torch.float64)
