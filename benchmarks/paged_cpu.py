@@ -1,0 +1,115 @@
+"""Paged-KV attention benchmark on the cpu backend: plan once, run one layer, against "gather the pages, then SDPA".
+
+Cases (Hq=32, Hkv=8, D=128, page size 16, pages shuffled through the pool): decode for batches of 1, 8 and 32 with
+mixed lengths from 1k to 16k, fp32 and bf16 KV; a mixed batch of prefill chunks and decodes. Reports our median
+time, KV GB/s (decode), the fraction of torch.sum streaming the same page pool in the same run, and our time over
+the baseline's (< 1: we are faster). The shared-prefix (cascade) case of issue 3 is not implemented yet.
+
+Usage::
+
+    python benchmarks/paged_cpu.py [--quick] [--reps N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from attention_cpu import time_interleaved  # same folder: the interleaved median timer
+from rich.console import Console
+from rich.table import Table
+
+from tessera.attention import AttentionSpec, causal, plan
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def make_batch(kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
+    """A shuffled page pool holding every sequence, its page table, and the queries."""
+    pages_per_seq = [math.ceil(kl / PAGE) for kl in kv_lens]
+    num_pages = sum(pages_per_seq)
+    k_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
+    v_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
+    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.zeros(len(kv_lens), max(pages_per_seq), dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(pages_per_seq):
+        table[s, :n] = order[start : start + n]
+        start += n
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen).to(dtype)
+    return q, k_pages, v_pages, table
+
+
+def gather_then_sdpa(q, k_pages, v_pages, table, q_lens: list[int], kv_lens: list[int]) -> list[torch.Tensor]:
+    """The baseline: copy each sequence's pages into a contiguous tensor, then torch SDPA with a causal bool mask."""
+    outs, q0 = [], 0
+    for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        pages = table[s, : math.ceil(kl / PAGE)].long()
+        k = k_pages[pages].reshape(-1, HKV, D)[:kl].transpose(0, 1).unsqueeze(0)
+        v = v_pages[pages].reshape(-1, HKV, D)[:kl].transpose(0, 1).unsqueeze(0)
+        qs = q[q0 : q0 + ql].transpose(0, 1).unsqueeze(0)
+        keep = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
+        outs.append(F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, enable_gqa=True))
+        q0 += ql
+    return outs
+
+
+def run_case(name: str, kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    q, k_pages, v_pages, table = make_batch(kv_lens, q_lens, dtype, gen)
+    spec = AttentionSpec(HQ, HKV, D, mask=causal())
+    p = plan(spec, q_lens, kv_lens, table, PAGE, backend="cpu")
+    k32, v32 = k_pages.view(torch.float32), v_pages.view(torch.float32)
+    times, _ = time_interleaved({
+        "ours": lambda: p.run(q, k_pages, v_pages),
+        "baseline": lambda: gather_then_sdpa(q, k_pages, v_pages, table, q_lens, kv_lens),
+        "read": lambda: (k32.sum(), v32.sum()),
+    }, reps)
+    kv_bytes = 2 * sum(kv_lens) * HKV * D * k_pages.element_size()
+    return {
+        "case": name, "dtype": str(dtype).removeprefix("torch."), "batch": len(kv_lens), "tokens": sum(q_lens),
+        "kv_tokens": sum(kv_lens), "ours_s": times["ours"], "baseline_s": times["baseline"],
+        "ours_over_baseline": times["ours"] / times["baseline"], "kv_gbps": kv_bytes / times["ours"] / 1e9,
+        "fraction_of_same_run_read": times["read"] / times["ours"],
+    }
+
+
+def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
+    lens = [1024, 16384, 4096, 2048, 8192, 3000, 12000, 6000] if not quick else [1024, 4096, 2048, 3000]
+    out = [(f"decode-b{b}", (lens * 4)[:b], [1] * b) for b in ((1, 8, 32) if not quick else (1, 4))]
+    mixed_kv = [2048, 512, 4096, 1024, 3000, 700]
+    out.append(("mixed-prefill+decode", mixed_kv, [512, 512, 1, 1, 4, 1]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small batches")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    rows = [run_case(name, kv, q, dt, args.reps) for name, kv, q in cases(args.quick)
+            for dt in (torch.float32, torch.bfloat16)]
+    table = Table(title="tessera paged attention (cpu) vs gather + SDPA", title_justify="left",
+                  caption="GB/s: K/V bytes over our time; % read: of torch.sum streaming the same pages in this run; "
+                  "/gather+SDPA: our time over the baseline's.", caption_justify="left")
+    for col in ("case", "dtype", "tokens", "kv tokens", "ours ms", "GB/s", "% read", "/gather+SDPA"):
+        table.add_column(col, justify="left" if col in ("case", "dtype") else "right")
+    for r in rows:
+        decode = r["tokens"] <= 8 * r["batch"]  # GB/s means something only when reading K/V is the work
+        gbps, read = (f"{r['kv_gbps']:.1f}", f"{r['fraction_of_same_run_read']:.0%}") if decode else ("-", "-")
+        table.add_row(r["case"], r["dtype"], str(r["tokens"]), str(r["kv_tokens"]), f"{r['ours_s'] * 1e3:.2f}",
+                      gbps, read, f"{r['ours_over_baseline']:.3f}")
+    Console(width=130).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
