@@ -51,3 +51,11 @@ def test_bad_writes_and_configs_raise_clear_errors() -> None:
         PagedKVCache(1, 2, 0, 2, 8, torch.float32)
     with pytest.raises(TypeError, match="dtype must be"):
         PagedKVCache(1, 2, 4, 2, 8, torch.float64)
+
+
+def test_block_manager_package_imports_without_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, tessera.kv; tessera.kv.BlockManager(4, 2); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
