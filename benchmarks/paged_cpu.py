@@ -3,7 +3,8 @@
 Cases (Hq=32, Hkv=8, D=128, page size 16, pages shuffled through the pool): decode for batches of 1, 8 and 32 with
 mixed lengths from 1k to 16k, fp32 and bf16 KV; a mixed batch of prefill chunks and decodes. Reports our median
 time, KV GB/s (decode), the fraction of torch.sum streaming the same page pool in the same run, and our time over
-the baseline's (< 1: we are faster). The shared-prefix (cascade) case of issue 3 is not implemented yet.
+the baseline's (< 1: we are faster). Then the shared-prefix case: 32 decodes sharing a 4k-token prefix (the same
+pages), each with 128 tokens of its own, with and without the cascade.
 
 Usage::
 
@@ -86,6 +87,34 @@ def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
     return out
 
 
+def cascade_case(reps: int, quick: bool) -> dict[str, Any]:
+    """32 requests share the pages of a 4k-token prefix and own 128 tokens each; plan with and without the cascade."""
+    import tessera.backends.cpu.cascade as cascade
+
+    n, prefix, own = (8, 1024, 128) if quick else (32, 4096, 128)
+    gen = torch.Generator().manual_seed(0)
+    prefix_pages, own_pages = prefix // PAGE, own // PAGE
+    num_pages = prefix_pages + n * own_pages
+    k_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
+    v_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
+    table = torch.zeros(n, prefix_pages + own_pages, dtype=torch.int32)
+    table[:, :prefix_pages] = torch.arange(prefix_pages, dtype=torch.int32)
+    table[:, prefix_pages:] = prefix_pages + torch.arange(n * own_pages, dtype=torch.int32).view(n, own_pages)
+    q = torch.randn(n, HQ, D, generator=gen)
+    spec, kv_lens = AttentionSpec(HQ, HKV, D, mask=causal()), [prefix + own] * n
+    plans = {}
+    for enabled in (True, False):
+        cascade.ENABLED = enabled
+        plans[enabled] = plan(spec, [1] * n, kv_lens, table, PAGE, backend="cpu")
+        plans[enabled].run(q, k_pages, v_pages)  # the backend plan is built on the first run
+    cascade.ENABLED = True
+    times, outs = time_interleaved({name: (lambda p=plans[on]: p.run(q, k_pages, v_pages))
+                                    for name, on in (("cascade", True), ("plain", False))}, reps)
+    return {"case": f"cascade-{n}x({prefix}+{own})", "cascade_s": times["cascade"], "plain_s": times["plain"],
+            "speedup": times["plain"] / times["cascade"],
+            "max_abs_diff": (outs["cascade"] - outs["plain"]).abs().max().item()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small batches")
@@ -104,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         gbps, read = (f"{r['kv_gbps']:.1f}", f"{r['fraction_of_same_run_read']:.0%}") if decode else ("-", "-")
         table.add_row(r["case"], r["dtype"], str(r["tokens"]), str(r["kv_tokens"]), f"{r['ours_s'] * 1e3:.2f}",
                       gbps, read, f"{r['ours_over_baseline']:.3f}")
-    Console(width=130).print(table)
+    console = Console(width=130)
+    console.print(table)
+    c = cascade_case(args.reps, args.quick)
+    console.print(f"{c['case']}: with cascade {c['cascade_s'] * 1e3:.2f} ms, without {c['plain_s'] * 1e3:.2f} ms, "
+                  f"speed-up {c['speedup']:.2f}x (max |diff| {c['max_abs_diff']:.1e})", highlight=False)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+            json.dump({"rows": rows, "cascade": c}, f, indent=1)
     return 0
 
 

@@ -170,3 +170,48 @@ def test_plan_errors_are_clear() -> None:
         p.run(q[:1], pages, pages)
     with pytest.raises(TypeError, match="share one dtype"):
         p.run(q, pages.bfloat16(), pages.bfloat16())
+
+
+def shared_prefix_batch(gen: torch.Generator, dtype: torch.dtype, prefix_pages: int, suffix_lens: list[int]):
+    """Decode requests whose first ``prefix_pages`` pages are the same pages, plus one unrelated decode."""
+    page_size, hkv, d = 16, 2, 32
+    own = [math.ceil((prefix_pages * page_size + n) / page_size) - prefix_pages for n in suffix_lens]
+    num_pages = prefix_pages + sum(own) + 30
+    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    shared, rest = order[:prefix_pages], order[prefix_pages:]
+    kv_lens = [prefix_pages * page_size + n for n in suffix_lens] + [300]
+    table = torch.zeros(len(kv_lens), max(kv_lens) // page_size + 1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(own):
+        table[s, :prefix_pages] = shared
+        table[s, prefix_pages : prefix_pages + n] = rest[used : used + n]
+        used += n
+    table[-1, :19] = rest[used : used + 19]  # the unrelated request
+    k_pages = randn(gen, num_pages, page_size, hkv, d, dtype=dtype)
+    v_pages = randn(gen, num_pages, page_size, hkv, d, dtype=dtype)
+    layout = varlen_layout([1] * len(kv_lens), kv_lens, 8, hkv, d)
+    k, v = _repack(k_pages, v_pages, table, layout, page_size)
+    q = randn(gen, len(kv_lens), 8, d, dtype=dtype)
+    return layout, q, k_pages, v_pages, table, k, v
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "window", "alibi"])
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS[:2])
+def test_shared_prefix_cascade_matches_oracle(mask_name: str, dtype: torch.dtype) -> None:
+    from tessera.attention import alibi, alibi_slopes
+    from tessera.backends.cpu.cascade import MIN_PREFIX_KEYS
+
+    gen = torch.Generator().manual_seed(seed_of(mask_name))
+    prefix_pages = MIN_PREFIX_KEYS // 16 + 3
+    layout, q, k_pages, v_pages, table, k, v = shared_prefix_batch(gen, dtype, prefix_pages, [1, 17, 40, 5])
+    extra = {"none": {}, "causal": {"mask": causal()}, "window": {"mask": sliding_window(100)},
+             "alibi": {"mask": causal(), "score": alibi(alibi_slopes(8))}}[mask_name]
+    spec = AttentionSpec(8, 2, 32, sinks=randn(gen, 8), **extra)
+    p = plan(spec, list(layout.q_lens), list(layout.kv_lens), table, 16, backend="cpu")
+    out, lse = p.run(q, k_pages, v_pages, return_lse=True)
+    assert_matches_oracle(out, lse, *oracle(q, k, v, layout, spec), dtype, f"cascade {mask_name}")
+    cascades = p._state.cascades  # white-box: the cascade is used exactly where it cannot change the result
+    if mask_name in ("none", "causal"):
+        assert [c.members for c in cascades] == [[0, 1, 2, 3]] and cascades[0].prefix_len == prefix_pages * 16
+    else:
+        assert cascades == []

@@ -9,6 +9,7 @@ import torch
 from tessera.attention.merge import add_sinks
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
+from tessera.backends.cpu.cascade import Cascade, find_cascades, run_cascade
 from tessera.backends.cpu.decode import DECODE_MAX_Q, DecodePlan, kernel_supports
 from tessera.backends.cpu.prefill import prefill_attention
 
@@ -22,6 +23,7 @@ class CpuPlan:
     layout: KVLayout
     decode: DecodePlan | None
     prefill_seqs: list[int]
+    cascades: list[Cascade]
 
 
 class CpuBackend:
@@ -55,14 +57,18 @@ class CpuBackend:
     def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> CpuPlan:
         """Host-side work of one step: routing, decode segments and masks of partial decode tiles."""
         decode_seqs, prefill_seqs = self._split(batch, spec)
-        decode = DecodePlan.build(batch, decode_seqs, spec, layout) if decode_seqs else None
-        return CpuPlan(spec, batch, layout, decode, prefill_seqs)
+        cascades = find_cascades(batch, decode_seqs, spec, layout)
+        kv_begin = {s: c.prefix_len for c in cascades for s in c.members}
+        decode = DecodePlan.build(batch, decode_seqs, spec, layout, kv_begin) if decode_seqs else None
+        return CpuPlan(spec, batch, layout, decode, prefill_seqs, cascades)
 
     def run(self, plan: CpuPlan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor) -> None:
         """Fill ``out`` / ``lse`` (float32, without sinks) for one layer; K/V are token rows addressed by the plan."""
         if plan.decode is not None:
             plan.decode.run(q, k_rows, v_rows, out, lse)
+        for cascade in plan.cascades:  # after the suffixes: merges the shared prefix into their rows
+            run_cascade(cascade, plan.spec, q, k_rows, v_rows, out, lse)
         if plan.prefill_seqs:
             prefill_attention(q, k_rows, v_rows, plan.batch, plan.layout, plan.prefill_seqs, plan.spec, out, lse)
 

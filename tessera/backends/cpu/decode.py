@@ -72,9 +72,12 @@ class _Segments:
         return i64(self.start), i64(self.end), i64(self.mask_off), i64(self.hstride), buf
 
 
-def _plan_sequence(segs: _Segments, spec: AttentionSpec, seq_index: int, q_len: int, kv_len: int) -> None:
-    """Append the segments of one sequence (queries at the last ``q_len`` of ``kv_len`` positions)."""
-    kv_lo, kv_hi = tile_bounds(0, kv_len, SEGMENT_TILE)
+def _plan_sequence(
+    segs: _Segments, spec: AttentionSpec, seq_index: int, q_len: int, kv_len: int, kv_begin: int = 0
+) -> None:
+    """Append the segments of one sequence (queries at the last ``q_len`` of ``kv_len`` positions), visiting keys
+    from ``kv_begin`` on (a cascade handles the shared prefix before it)."""
+    kv_lo, kv_hi = tile_bounds(kv_begin, kv_len, SEGMENT_TILE)
     q_lo, q_hi = np.array([kv_len - q_len]), np.array([kv_len])
     classes = classify_tiles(spec.mask, seq_index, q_lo, q_hi, kv_lo, kv_hi)[0]
     b = torch.tensor(seq_index)
@@ -136,12 +139,15 @@ class DecodePlan:
     head_dim: int
 
     @staticmethod
-    def build(batch: RaggedBatch, seqs: list[int], spec: AttentionSpec, layout: KVLayout) -> DecodePlan:
+    def build(
+        batch: RaggedBatch, seqs: list[int], spec: AttentionSpec, layout: KVLayout, kv_begin: dict[int, int] | None = None
+    ) -> DecodePlan:
+        """``kv_begin[s]``: first key sequence ``s`` visits (default 0)."""
         segs = _Segments()
         ranges = []
         for s in seqs:
             lo = len(segs.start)
-            _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s])
+            _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s], (kv_begin or {}).get(s, 0))
             ranges.append((lo, len(segs.start)))
         item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges)
         q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)

@@ -94,18 +94,23 @@ def prefill_attention(
     seqs : indices of the sequences to run.
     out : float32 ``[total_q, Hq, D]`` and lse : float32 ``[total_q, Hq]`` (without sinks).
     """
-    prepared = [_prepare(q, k_rows, v_rows, batch, layout, s, spec) for s in seqs if batch.kv_lens[s] > 0]
-    tasks = [(seq, qi) for seq in prepared for qi in range(len(seq.q_lo))]
-    # Largest first: a causal sequence's last query tiles visit the most keys.
-    tasks.sort(key=lambda t: -_visited_keys(t[0], t[1]))
+    seqs = [s for s in seqs if batch.kv_lens[s] > 0]
+    prepare = lambda s: _prepare(q, k_rows, v_rows, batch, layout, s, spec)  # noqa: E731
     run = lambda task: _run_q_tile(task[0], task[1], spec, out, lse)  # noqa: E731
     workers = torch.get_num_threads()
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            run(task)
+    if workers <= 1 or (len(seqs) <= 1 and batch.q_lens[seqs[0]] <= Q_TILE if seqs else True):
+        for seq in map(prepare, seqs):
+            for qi in range(len(seq.q_lo)):
+                run((seq, qi))
         return
+    # Both phases run as tasks with torch single-threaded: letting torch's own OpenMP pool split each op instead
+    # also collides with the Numba pool that may still be spinning after a decode kernel in the same step.
     with _torch_single_threaded():
-        list(_pool(workers).map(run, tasks))
+        pool = _pool(workers)
+        prepared = list(pool.map(prepare, seqs))
+        tasks = [(seq, qi) for seq in prepared for qi in range(len(seq.q_lo))]
+        tasks.sort(key=lambda t: -_visited_keys(t[0], t[1]))  # largest first: late causal tiles visit most keys
+        list(pool.map(run, tasks))
 
 
 def _prepare(q, k_rows, v_rows, batch: RaggedBatch, layout: KVLayout, s: int, spec: AttentionSpec) -> _Sequence:

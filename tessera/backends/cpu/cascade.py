@@ -1,0 +1,116 @@
+"""Shared-prefix (cascade) attention: many decodes that share prefix pages read the prefix once, as one GEMM.
+
+When requests share their first pages (a common system prompt, parallel samples of one prompt), attending to that
+prefix separately per request reads the same K/V once per request, and each read is a memory-bound GEMV. Stacking the
+group's queries instead turns the prefix into one query tile of a BLAS GEMM that reads the prefix once; each request
+then attends only to its own suffix in the decode kernel, and the two partial results merge by log-sum-exp.
+
+The plan uses a cascade only where it cannot change the result: the mask must keep every prefix key for every
+query of the group (checked with the mask's tile classification) and the score function must not depend on positions
+(none, or softcap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tessera.attention.merge import merge_states
+from tessera.attention.scores import Softcap
+from tessera.attention.spec import AttentionSpec
+from tessera.attention.tiles import FULL, classify_tiles
+from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.backends.cpu.prefill import prefill_attention
+
+#: A shared prefix shorter than this is not worth a separate pass.
+MIN_PREFIX_KEYS = 256
+#: Switch for measuring the cascade against its absence (benchmarks/paged_cpu.py); plans read it when built.
+ENABLED = True
+
+
+@dataclass(frozen=True, slots=True)
+class Cascade:
+    """Requests ``members`` share their first ``prefix_len`` keys (the same pages)."""
+
+    members: list[int]
+    prefix_len: int
+    q_rows: torch.Tensor  # int64 rows of q (and out) of all members' queries, in member order
+    batch: RaggedBatch  # one pseudo-sequence: the stacked queries against the prefix
+    layout: KVLayout  # the prefix's rows (the first member's page table)
+
+
+def find_cascades(batch: RaggedBatch, seqs: list[int], spec: AttentionSpec, layout: KVLayout) -> list[Cascade]:
+    """Groups of at least two of ``seqs`` whose leading pages are identical, with the longest safe shared prefix."""
+    if not ENABLED or layout.row_base.shape[1] < 2 or not (spec.score is None or isinstance(spec.score, Softcap)):
+        return []  # contiguous batches share nothing; position-dependent scores differ per request
+    groups: dict[int, list[int]] = {}
+    for s in seqs:
+        groups.setdefault(int(layout.row_base[s, 0]), []).append(s)
+    cascades = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        prefix = _shared_prefix(batch, members, layout)
+        if prefix >= MIN_PREFIX_KEYS and _mask_keeps_prefix(batch, members, spec, prefix):
+            cascades.append(_make(batch, members, prefix, layout))
+    return cascades
+
+
+def _shared_prefix(batch: RaggedBatch, members: list[int], layout: KVLayout) -> int:
+    """Keys in the longest run of identical whole pages that ends before every member's first query."""
+    limit = min(batch.kv_lens[s] - batch.q_lens[s] for s in members) // layout.block
+    bases = layout.row_base[members, :limit]
+    same = np.all(bases == bases[0], axis=0)
+    pages = int(np.argmin(same)) if not same.all() else limit
+    return pages * layout.block
+
+
+def _mask_keeps_prefix(batch: RaggedBatch, members: list[int], spec: AttentionSpec, prefix: int) -> bool:
+    if spec.mask is None:
+        return True
+    for s in members:
+        q_lo = np.array([batch.kv_lens[s] - batch.q_lens[s]])
+        q_hi = np.array([batch.kv_lens[s]])
+        if classify_tiles(spec.mask, s, q_lo, q_hi, np.array([0]), np.array([prefix]))[0, 0] != FULL:
+            return False
+    return True
+
+
+def _make(batch: RaggedBatch, members: list[int], prefix: int, layout: KVLayout) -> Cascade:
+    """Stack the members' queries; cut the prefix into page-aligned parts, one task each (split-KV), so that the
+    prefix pass uses every core even though the stacked queries form a single query tile."""
+    rows = [torch.arange(batch.q_starts[s], batch.q_starts[s] + batch.q_lens[s]) for s in members]
+    q_rows = torch.cat(rows)
+    pages = prefix // layout.block
+    parts = max(1, min(torch.get_num_threads(), pages))
+    bounds = np.linspace(0, pages, parts + 1).astype(int)
+    base = layout.row_base[members[0]]
+    width = int(np.max(np.diff(bounds)))
+    part_base = np.zeros((parts, width), dtype=np.int64)
+    for i in range(parts):
+        part_base[i, : bounds[i + 1] - bounds[i]] = base[bounds[i] : bounds[i + 1]]
+    part_lens = tuple(int(n) * layout.block for n in np.diff(bounds))
+    return Cascade(members, prefix, q_rows, RaggedBatch((len(q_rows),) * parts, part_lens),
+                   KVLayout(part_base, layout.block))
+
+
+def run_cascade(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Attend the members' stacked queries to the shared prefix and merge into their suffix results in ``out``/``lse``."""
+    n, parts = len(cascade.q_rows), cascade.batch.num_seqs
+    part_out = torch.zeros(parts * n, spec.num_q_heads, spec.head_dim)
+    part_lse = torch.full((parts * n, spec.num_q_heads), -float("inf"))
+    # Every prefix key is visible to every member (checked at plan time), so the prefix runs unmasked; each part is
+    # a pseudo-sequence holding all the stacked queries.
+    unmasked = dataclasses.replace(spec, mask=None, sinks=None)
+    q_parts = q[cascade.q_rows].repeat(parts, 1, 1)
+    prefill_attention(q_parts, k_rows, v_rows, cascade.batch, cascade.layout, list(range(parts)), unmasked,
+                      part_out, part_lse)
+    merged, merged_lse = out[cascade.q_rows], lse[cascade.q_rows]
+    for i in range(parts):
+        rows = slice(i * n, (i + 1) * n)
+        merged, merged_lse = merge_states(merged, merged_lse, part_out[rows], part_lse[rows])
+    out[cascade.q_rows], lse[cascade.q_rows] = merged, merged_lse
