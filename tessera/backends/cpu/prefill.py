@@ -98,10 +98,13 @@ def prefill_attention(
     prepare = lambda s: _prepare(q, k_rows, v_rows, batch, layout, s, spec)  # noqa: E731
     run = lambda task: _run_q_tile(task[0], task[1], spec, out, lse)  # noqa: E731
     workers = torch.get_num_threads()
-    if workers <= 1 or (len(seqs) <= 1 and batch.q_lens[seqs[0]] <= Q_TILE if seqs else True):
-        for seq in map(prepare, seqs):
-            for qi in range(len(seq.q_lo)):
-                run((seq, qi))
+    if not seqs:
+        return
+    if workers <= 1:  # the caller asked for one thread: honour it for BLAS too
+        with _blas_controller().limit(limits=1, user_api="blas"):
+            for seq in map(prepare, seqs):
+                for qi in range(len(seq.q_lo)):
+                    run((seq, qi))
         return
     # Both phases run as tasks with torch single-threaded: letting torch's own OpenMP pool split each op instead
     # also collides with the Numba pool that may still be spinning after a decode kernel in the same step.
