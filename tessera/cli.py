@@ -152,7 +152,8 @@ def _ceilings_table(c: dict[str, Any]) -> Table:
     table.add_column("value", justify="right", no_wrap=True)
     table.add_column("how")
     table.add_row("fp32 GEMM", f"{c['gemm_fp32_gflops']:.1f} GFLOP/s",
-                  f"torch.matmul {c['gemm_size']}x{c['gemm_size']}, best of several, {c['torch_threads']} threads")
+                  f"best of torch.matmul and numpy.matmul, {c['gemm_size']}x{c['gemm_size']}, "
+                  f"{c['torch_threads']} threads")
     table.add_row("memory read", f"{c['read_gbps']:.1f} GB/s",
                   f"{c['read_method']} over {c['read_bytes'] / 2**30:.3g} GiB, best of several")
     return table

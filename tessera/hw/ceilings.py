@@ -37,7 +37,8 @@ class Ceilings:
     Parameters
     ----------
     gemm_fp32_gflops : float
-        Best fp32 ``torch.matmul`` throughput on ``[gemm_size, gemm_size]`` matrices, all torch threads (GFLOP/s).
+        Best fp32 GEMM throughput of ``torch.matmul`` and ``numpy.matmul`` on ``[gemm_size, gemm_size]`` matrices,
+        all threads (GFLOP/s).
     read_gbps : float
         Best streaming-read bandwidth over ``read_bytes`` bytes, all threads, in GB/s (1e9 bytes).
     read_method : str
@@ -115,7 +116,8 @@ class Ceilings:
 
 def machine_key(cpu_model: str, num_cores: int, torch_threads: int) -> str:
     """Cache key: a result is only valid for the same CPU, core count and torch thread count."""
-    return f"{cpu_model} | {num_cores} cores | {torch_threads} torch threads"
+    # "v2": the GEMM probe also times numpy.matmul since 2026-11-29; older entries re-measure.
+    return f"v2 | {cpu_model} | {num_cores} cores | {torch_threads} torch threads"
 
 
 def cache_path() -> Path:
