@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import AttentionRequest, RaggedBatch, select
+from tessera.attention.execute import execute
+from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,7 +107,8 @@ def _run(q, k, v, batch: RaggedBatch, spec: AttentionSpec, backend: str):
     if batch.total_q == 0:
         empty = q.new_empty(q.shape)
         return empty, torch.empty(q.shape[0], spec.num_q_heads, dtype=torch.float32, device=q.device)
-    return chosen.varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), batch, spec)
+    state = chosen.plan(spec, batch, KVLayout.contiguous(batch))
+    return execute(chosen, state, spec, q, k, v, batch.total_q)
 
 
 def as_lengths(lens, name: str, where: str = "varlen_attention") -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tessera.attention.api import SUPPORTED_DTYPES, as_lengths
-from tessera.attention.merge import add_sinks
+from tessera.attention.execute import execute
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
 
@@ -50,14 +50,9 @@ class AttentionPlan:
         if self._backend is None:
             self._backend = select(AttentionRequest(self.spec, q.dtype, q.device, layout="paged"), self._backend_name)
             self._state = self._backend.plan(self.spec, self.batch, self._layout)
-        spec = self.spec
-        out = torch.zeros(self.batch.total_q, spec.num_q_heads, spec.head_dim, dtype=torch.float32)
-        lse = torch.full((self.batch.total_q, spec.num_q_heads), -math.inf, dtype=torch.float32)
-        rows_shape = (-1, spec.num_kv_heads, spec.head_dim)
-        self._backend.run(self._state, q.contiguous(), k_pages.reshape(rows_shape), v_pages.reshape(rows_shape), out, lse)
-        if spec.sinks is not None:
-            out, lse = add_sinks(out, lse, spec.sinks)
-        out = out.to(q.dtype)
+        rows_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
+        out, lse = execute(self._backend, self._state, self.spec, q, k_pages.reshape(rows_shape),
+                           v_pages.reshape(rows_shape), self.batch.total_q)
         return (out, lse) if return_lse else out
 
     def _check(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

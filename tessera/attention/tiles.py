@@ -8,6 +8,7 @@ so a custom mask that is all-False over a tile still skips its matmuls.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tessera.attention.masks import EMPTY, FULL, PARTIAL, Mask
 
@@ -37,4 +38,22 @@ def classify_tiles(
     return np.broadcast_to(np.asarray(classes, dtype=np.int8), shape)
 
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "classify_tiles", "tile_bounds"]
+def resolve_partial_tile(
+    mask: Mask, b: torch.Tensor, heads: torch.Tensor, q_pos: torch.Tensor, kv_lo: int, kv_hi: int
+) -> tuple[int, torch.Tensor]:
+    """Evaluate ``mask`` on a tile classified PARTIAL and say what it really is.
+
+    This is how custom masks are classified "by evaluation": the kernel that is about to touch the tile evaluates
+    it once, and the answer decides whether its matmuls run (EMPTY: skip) and whether masking is needed (FULL: no).
+
+    Returns
+    -------
+    (EMPTY, PARTIAL or FULL, the bool keep tensor broadcastable to ``[Hq, q_len, kv_hi - kv_lo]``)
+    """
+    keep = mask.evaluate(b, heads, q_pos, torch.arange(kv_lo, kv_hi).view(1, 1, -1))
+    if not bool(keep.any()):
+        return int(EMPTY), keep
+    return (int(FULL) if bool(keep.all()) else int(PARTIAL)), keep
+
+
+__all__ = ["EMPTY", "FULL", "PARTIAL", "classify_tiles", "resolve_partial_tile", "tile_bounds"]

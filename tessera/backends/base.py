@@ -68,13 +68,14 @@ class Backend(Protocol):
         """Reasons this backend cannot serve ``request`` (empty when it can)."""
         ...
 
-    def varlen_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over a validated ragged batch.
+    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> object:
+        """Host-side state for one step (validated lengths; depends on lengths and the mask, never on values)."""
+        ...
 
-        Returns ``out [total_q, Hq, D]`` in q's dtype and ``lse [total_q, Hq]`` float32 (natural log, sinks included).
-        """
+    def run(self, state: object, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor) -> None:
+        """One layer: fill ``out [total_q, Hq, D]`` and ``lse [total_q, Hq]`` (float32, natural log) WITHOUT sinks;
+        ``k_rows``/``v_rows`` are ``[rows, Hkv, D]`` token rows addressed by the plan's layout."""
         ...
 
 

@@ -1,4 +1,4 @@
-"""``cpu``: FlashAttention-style tiled attention through torch BLAS, Numba kernels for decode-shaped work."""
+"""``cpu``: FlashAttention-style tiled attention through BLAS, Numba kernels for decode-shaped work."""
 
 from tessera.backends.base import register
 from tessera.backends.cpu.backend import CpuBackend

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.attention.merge import add_sinks
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
 from tessera.backends.cpu.cascade import Cascade, find_cascades, run_cascade
@@ -27,7 +26,7 @@ class CpuPlan:
 
 
 class CpuBackend:
-    """FlashAttention-style attention for x86/ARM CPUs (torch BLAS for prefill tiles, Numba for decode)."""
+    """FlashAttention-style attention for x86/ARM CPUs (BLAS tiles for prefill, Numba kernels for decode)."""
 
     name = "cpu"
     priority = 10
@@ -42,17 +41,6 @@ class CpuBackend:
         if request.dtype not in _DTYPES:
             reasons.append(f"storage dtype {request.dtype} is not one of float32, bfloat16, float16")
         return reasons
-
-    def varlen_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.zeros(batch.total_q, spec.num_q_heads, spec.head_dim, dtype=torch.float32)
-        lse = torch.full((batch.total_q, spec.num_q_heads), float("-inf"), dtype=torch.float32)
-        plan = self.plan(spec, batch, KVLayout.contiguous(batch))
-        self.run(plan, q, k, v, out, lse)
-        if spec.sinks is not None:
-            out, lse = add_sinks(out, lse, spec.sinks)
-        return out.to(q.dtype), lse
 
     def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> CpuPlan:
         """Host-side work of one step: routing, decode segments and masks of partial decode tiles."""

@@ -16,7 +16,7 @@ import torch
 
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.scores import Alibi, Softcap
-from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
+from tessera.attention.tiles import EMPTY, FULL, classify_tiles, resolve_partial_tile, tile_bounds
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu.decode_kernel import decode_attention_kernel, merge_parts_kernel
 
@@ -88,15 +88,15 @@ def _plan_sequence(
         if classes[t] == FULL:
             segs.add(c, f)
             continue
-        keep = spec.mask.evaluate(b, heads, q_pos, torch.arange(c, f).view(1, 1, -1))
+        kind, keep = resolve_partial_tile(spec.mask, b, heads, q_pos, c, f)
+        if kind == EMPTY:
+            continue
+        if kind == FULL:
+            segs.add(c, f)
+            continue
         keep = torch.broadcast_to(keep, (spec.num_q_heads, q_len, f - c))
         if keep.stride(0) == 0:
             keep = keep[:1]  # the mask ignores the head: store one copy
-        if not bool(keep.any()):
-            continue
-        if bool(keep.all()):
-            segs.add(c, f)
-            continue
         segs.add(c, f, keep.to(torch.uint8).contiguous().numpy())
 
 

@@ -1,4 +1,4 @@
-"""Prefill-shaped attention on the CPU: FlashAttention-style tiles through torch BLAS.
+"""Prefill-shaped attention on the CPU: FlashAttention-style tiles through BLAS (NumPy's OpenBLAS sgemm).
 
 Per query tile, the queries of one KV group are stacked into one matrix ``[Hkv, G * tq, D]`` so a single batched GEMM
 per kv run serves every query head of a group without repeating K/V (GQA costs nothing extra). Tiles are classified
@@ -29,7 +29,7 @@ import torch
 from threadpoolctl import ThreadpoolController
 
 from tessera.attention.spec import AttentionSpec
-from tessera.attention.tiles import EMPTY, FULL, classify_tiles, tile_bounds
+from tessera.attention.tiles import EMPTY, FULL, classify_tiles, resolve_partial_tile, tile_bounds
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu.softmax_kernel import online_softmax_tile
 
@@ -184,12 +184,9 @@ def _partial_masks(
     masks = []
     any_kept = run.has_full
     for lo, hi in run.partial:
-        keep = spec.mask.evaluate(b, heads, q_pos, torch.arange(lo, hi).view(1, 1, -1))
-        if not bool(keep.any()):
-            masks.append((lo, hi, keep))  # still applied: the run's other tiles are kept
-            continue
-        any_kept = True
-        if not bool(keep.all()):
+        kind, keep = resolve_partial_tile(spec.mask, b, heads, q_pos, lo, hi)
+        any_kept = any_kept or kind != EMPTY
+        if kind != FULL:  # an all-False sub-range is still masked: the run's other tiles are kept
             masks.append((lo, hi, keep))
     return masks if any_kept else None
 

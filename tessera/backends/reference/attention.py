@@ -76,10 +76,6 @@ class ReferenceBackend:
     def why_not(self, request) -> list[str]:
         return []
 
-    def varlen_attention(self, q, k, v, batch, spec):
-        out, lse = varlen_attention_f64(q, k, v, batch, spec)
-        return out.to(q.dtype), lse.float()
-
     def plan(self, spec, batch, layout):
         return (spec, batch, layout)
 

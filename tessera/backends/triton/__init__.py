@@ -27,7 +27,10 @@ class TritonBackend:
             return [f"runs on CUDA tensors, got {request.device.type}"]
         return []
 
-    def varlen_attention(self, q, k, v, batch, spec):
+    def plan(self, spec, batch, layout):
+        raise NotImplementedError("the triton attention kernels land with issue 4")
+
+    def run(self, state, q, k_rows, v_rows, out, lse):
         raise NotImplementedError("the triton attention kernels land with issue 4")
 
 
