@@ -11,6 +11,12 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Without a GPU, the triton backend's kernels run on CPU tensors through Triton's interpreter, so the conformance
+# suite covers them everywhere (tests/attention/conftest.py picks the subset that fits the CI budget). Triton reads
+# the switch when kernels are decorated, i.e. on the backend's first use, which comes after this line.
+if os.environ.get("TESSERA_TEST_GPU", "0") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tessera.backends import registered  # noqa: E402
 
 # Load the built-in backends before any test module imports one backend's module directly, so that every

@@ -25,8 +25,14 @@ def execute(backend, state, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.
     -------
     out ``[total_q, Hq, D]`` in q's dtype and lse ``[total_q, Hq]`` float32 (natural log, sinks included).
     """
-    out = torch.zeros(total_q, spec.num_q_heads, spec.head_dim, dtype=torch.float32)
-    lse = torch.full((total_q, spec.num_q_heads), -math.inf, dtype=torch.float32)
+    if getattr(backend, "fused_epilogue", False):
+        # The backend writes every row in the output dtype and folds sinks itself (GPU kernels: no extra passes).
+        out = torch.empty(total_q, spec.num_q_heads, spec.head_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(total_q, spec.num_q_heads, dtype=torch.float32, device=q.device)
+        backend.run(state, q.contiguous(), k_rows.contiguous(), v_rows.contiguous(), out, lse)
+        return out, lse
+    out = torch.zeros(total_q, spec.num_q_heads, spec.head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((total_q, spec.num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
     backend.run(state, q.contiguous(), k_rows.contiguous(), v_rows.contiguous(), out, lse)
     if spec.sinks is not None:
         out, lse = add_sinks(out, lse, spec.sinks)
