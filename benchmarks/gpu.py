@@ -45,7 +45,16 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from tessera.attention import (  # noqa: E402
-    AttentionSpec, alibi, alibi_slopes, causal, custom_mask, custom_score, document, plan, sliding_window, softcap,
+    AttentionSpec,
+    alibi,
+    alibi_slopes,
+    causal,
+    custom_mask,
+    custom_score,
+    document,
+    plan,
+    sliding_window,
+    softcap,
 )
 from tessera.backends import RaggedBatch  # noqa: E402
 from tessera.backends.reference import varlen_attention_f64  # noqa: E402
@@ -210,7 +219,6 @@ def time_prefill(device: torch.device, smoke: bool, use_flex: bool, deadline: fl
                 if f"{key}_ms" in row:
                     row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
             rows.append(row)
-            del q, kp, vp, qd, kd, vd
     return rows
 
 
@@ -242,7 +250,6 @@ def time_decode(device: torch.device, smoke: bool, use_flex: bool, deadline: flo
                     row[f"{key}_gbs"] = kv_bytes / (row[f"{key}_ms"] * 1e-3) / 1e9
             row["tessera_frac_of_copy"] = row["tessera_gbs"] / copy_gbs
             rows.append(row)
-            del q, kp, vp, kd, vd
     return rows
 
 

@@ -59,6 +59,9 @@ class Backend(Protocol):
     name: str
     #: higher wins under ``backend="auto"``
     priority: int
+    #: optional (default False): when True, ``run`` receives ``out`` uninitialized in q's dtype and must write every
+    #: row with sinks folded in; otherwise ``out`` is float32 zeros and ``execute`` adds sinks and casts
+    fused_epilogue: bool
 
     def available(self) -> list[str]:
         """Reasons this backend cannot run at all on this machine (empty when usable)."""

@@ -23,7 +23,11 @@ class TritonBackend:
     """
 
     name = "triton"
-    priority = 20
+
+    @property
+    def priority(self) -> int:
+        """Above cpu on GPUs; under the interpreter (a testing aid, ~1000x slower) only chosen by name."""
+        return -1 if interpreting() else 20
     #: ``run`` writes ``out`` in the output dtype and folds sinks itself (no extra passes over the output)
     fused_epilogue = True
 

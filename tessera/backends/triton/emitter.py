@@ -64,8 +64,7 @@ class Emitter:
             ints[slot] = fpos
             float_parts.append(arr)
             fpos += arr.size
-        aux_i = np.concatenate([np.asarray(ints, dtype=np.int32), *int_parts]) if int_parts else np.asarray(ints, np.int32)
-        aux_f = np.concatenate([np.asarray(self._floats, np.float32), *float_parts]) if float_parts else \
-            np.asarray(self._floats, np.float32)
+        aux_i = np.concatenate([np.asarray(ints, dtype=np.int32), *int_parts])
+        aux_f = np.concatenate([np.asarray(self._floats, dtype=np.float32), *float_parts])
         # Kernels take pointers, so never hand them an empty buffer.
         return (aux_i if aux_i.size else np.zeros(1, np.int32)), (aux_f if aux_f.size else np.zeros(1, np.float32))

@@ -136,14 +136,14 @@ def attention_kernel(
     for i in range(0, full_cnt):
         kv_start = tl.load(TILES + full_off + i)
         m_i, l_i, acc = _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_pos, offs_n,
-                                   offs_d, K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh,
-                                   stride_vt, stride_vh, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK, HAS_SCORE, False,
+                                   offs_d, K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh, stride_vt,
+                                   stride_vh, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK, HAS_SCORE, False,
                                    HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_UPCAST)
     for i in range(0, part_cnt):
         kv_start = tl.load(TILES + part_off + i)
         m_i, l_i, acc = _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_pos, offs_n,
-                                   offs_d, K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh,
-                                   stride_vt, stride_vh, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK, HAS_SCORE, True,
+                                   offs_d, K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh, stride_vt,
+                                   stride_vh, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK, HAS_SCORE, True,
                                    HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_UPCAST)
 
     if slot >= 0:

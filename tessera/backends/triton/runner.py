@@ -65,7 +65,8 @@ def run_plan(plan: TritonPlan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: to
             MASK_FN=state["mask_fn"], SCORE_FN=state["score_fn"],
             HAS_MASK=spec.mask is not None, HAS_SCORE=spec.score is not None, HAS_SINKS=spec.sinks is not None,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=launch.heads,
-            DOT_PRECISION=precision, DOT_UPCAST=interpreting() and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_PRECISION=precision, DOT_UPCAST=interpreting() and q.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if len(launch.merges):
             merge_kernel[(len(launch.merges),)](
