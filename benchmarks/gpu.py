@@ -19,6 +19,7 @@ spent. The test suite runs it.
 Usage::
 
     python benchmarks/gpu.py [--smoke] [--json PATH] [--no-flex] [--budget-s 420]
+    python benchmarks/gpu.py --tune     # time candidate launch configs, print entries for configs.TUNED
 """
 
 from __future__ import annotations
@@ -253,6 +254,54 @@ def time_decode(device: torch.device, smoke: bool, use_flex: bool, deadline: flo
     return rows
 
 
+# ---- optional: tuning ------------------------------------------------------------------------------------------------
+
+def tune(device: torch.device, smoke: bool, reps: int) -> list[dict]:
+    """Time candidate launch configs (causal bf16 prefill at S=8k, paged decode B=32 at 8k) and print TUNED entries."""
+    from tessera.backends.triton import configs as C
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    prefill_candidates = [C.LaunchConfig(m, n, w, st) for m, n, w, st in
+                          [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 4)]]
+    decode_candidates = [C.LaunchConfig(16, n, w, st) for n, w, st in [(64, 4, 3), (128, 4, 2), (32, 4, 4), (64, 8, 3)]]
+    if smoke:
+        prefill_candidates, decode_candidates = prefill_candidates[:2], decode_candidates[:2]
+    results = []
+    for d in ([64] if smoke else [64, 128]):
+        s_len, b_len = (64, 300) if smoke else (8192, 8192)
+        hq, hkv = (4, 2) if smoke else (HQ, HKV)
+        base = C.default_configs(d, sms)
+        best: dict[str, tuple[float, object]] = {}
+        for phase, candidates in (("prefill", prefill_candidates), ("decode", decode_candidates)):
+            for cand in candidates:
+                cfg = C.Configs(cand if phase == "prefill" else base.prefill, cand if phase == "decode" else base.decode,
+                                base.target_programs, base.min_tiles_per_split)
+                C.TUNED[(name, d)] = cfg
+                try:
+                    if phase == "prefill":
+                        spec = AttentionSpec(hq, hkv, d, mask=causal())
+                        q, kp, vp, table = paged_batch([s_len], [s_len], hq, hkv, d, torch.bfloat16, device, page=s_len)
+                        p = plan(spec, [s_len], [s_len], table, s_len, backend="triton")
+                    else:
+                        batch = 2 if smoke else 32
+                        spec = AttentionSpec(hq, hkv, d)
+                        q, kp, vp, table = paged_batch([1] * batch, [b_len] * batch, hq, hkv, d, torch.bfloat16, device)
+                        p = plan(spec, [1] * batch, [b_len] * batch, table, PAGE, backend="triton")
+                    ms = bench(lambda: p.run(q, kp, vp), device, reps)
+                except Exception as exc:  # a config that does not compile or fit is simply not a candidate
+                    ms = float("inf")
+                    print(f"  {phase} D={d} {cand}: failed ({type(exc).__name__}: {exc})")
+                results.append({"phase": phase, "head_dim": d, "config": str(cand), "ms": ms})
+                if ms < best.get(phase, (float("inf"), None))[0]:
+                    best[phase] = (ms, cand)
+        C.TUNED.pop((name, d), None)
+        if len(best) == 2:
+            print(f"TUNED[({name!r}, {d})] = Configs(prefill={best['prefill'][1]}, decode={best['decode'][1]}, "
+                  f"target_programs={base.target_programs}, min_tiles_per_split={base.min_tiles_per_split})")
+    return results
+
+
 # ---- 4. report ------------------------------------------------------------------------------------------------------
 
 def _print_table(title: str, rows: list[dict], cols: list[str]) -> None:
@@ -269,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="output path (default: $OUT/gpu-<date>.json, else benchmarks/results/)")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take time)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting flex comparisons after this")
+    ap.add_argument("--tune", action="store_true", help="only time candidate launch configs and print TUNED entries")
     args = ap.parse_args(argv)
 
     start = time.monotonic()
@@ -284,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
         "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
     }
+    if args.tune:
+        report["tuning"] = tune(device, args.smoke, reps)
+        args.json = args.json or str((Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" /
+                                      "results") / f"gpu-tune-{report['date']}.json")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        return 0
     report["copy_gbs"] = copy_bandwidth(device, args.smoke)
     print(f"{report['device']}: copy bandwidth {report['copy_gbs']:.0f} GB/s")
 
