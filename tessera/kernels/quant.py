@@ -1,0 +1,250 @@
+"""Float and weight-only quantized matmul: the packed weight formats, quantize/dequantize, and the matmuls.
+
+Weights follow ``torch.nn.Linear``: ``w [N, K]`` (N output features, K input features) and ``y = x @ w.T``.
+Four packed formats, laid out byte by byte in ``docs/kernels/quant.md``:
+
+``int8``      ``w = q * s``, q int8, one scale per row (per channel) or per group of 32/64/128 along K (GGUF Q8_0
+              is int8 with group 32).
+``int4``      ``w = (q - z) * s``, q in 0..15 packed two per byte, scale and integer zero point per group along K
+              (GGUF Q4_0 is int4 with group 32 and z = 8).
+``int4_min``  ``w = q * s + m``, q in 0..15 packed two per byte, scale and min per group (GGUF Q4_1, group 32).
+``fp8_e4m3``  ``w = q * s``, q ``torch.float8_e4m3fn``, one scale per row.
+
+Example::
+
+    >>> qw = quantize(torch.randn(4096, 4096), "int4", group_size=128)
+    >>> y = qmatmul(torch.randn(1, 4096), qw)              # [1, 4096] float32, no dequantized copy on cpu
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tessera.kernels import registry
+
+FORMATS = ("int8", "int4", "int4_min", "fp8_e4m3")
+GROUP_SIZES = (32, 64, 128)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# GGUF block formats we read: ggml type id -> (name, bytes per block of 32 weights)
+_GGUF = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A weight ``w [N, K]`` in one of :data:`FORMATS`. ``G = group_size`` (``K`` when per channel), ``ng = K // G``.
+
+    Attributes
+    ----------
+    fmt : str
+        One of :data:`FORMATS`.
+    shape : tuple[int, int]
+        ``(N, K)`` of the float weight.
+    group_size : int
+        Weights sharing one scale along K: 32, 64 or 128, or ``K`` for per-channel int8 and fp8.
+    data : torch.Tensor
+        int8 ``[N, K]`` (int8), uint8 ``[N, K // 2]`` (int4, int4_min; byte ``j`` of a group holds element ``j`` in
+        its low nibble and element ``j + G/2`` in its high nibble), float8_e4m3fn ``[N, K]`` (fp8_e4m3).
+    scales : torch.Tensor
+        float32 ``[N, ng]``.
+    zeros : torch.Tensor or None
+        uint8 ``[N, ng]`` zero points in 0..15 (int4 only).
+    mins : torch.Tensor or None
+        float32 ``[N, ng]`` offsets (int4_min only).
+    """
+
+    fmt: str
+    shape: tuple[int, int]
+    group_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown quantized format {self.fmt!r}; choose one of {list(FORMATS)}")
+        n, k = self.shape
+        g = self.group_size
+        if g <= 0 or k % g:
+            raise ValueError(f"{self.fmt}: K={k} is not a multiple of group_size={g}")
+        if self.fmt.startswith("int4") and g not in GROUP_SIZES:
+            raise ValueError(f"{self.fmt}: group_size must be one of {GROUP_SIZES}, got {g}")
+        packed = {"int8": (torch.int8, (n, k)), "int4": (torch.uint8, (n, k // 2)),
+                  "int4_min": (torch.uint8, (n, k // 2)), "fp8_e4m3": (torch.float8_e4m3fn, (n, k))}[self.fmt]
+        _check_part(self.fmt, "data", self.data, *packed)
+        _check_part(self.fmt, "scales", self.scales, torch.float32, (n, k // g))
+        if (self.zeros is not None) != (self.fmt == "int4"):
+            raise ValueError(f"{self.fmt}: zeros must be given exactly for int4")
+        if (self.mins is not None) != (self.fmt == "int4_min"):
+            raise ValueError(f"{self.fmt}: mins must be given exactly for int4_min")
+        if self.zeros is not None:
+            _check_part(self.fmt, "zeros", self.zeros, torch.uint8, (n, k // g))
+        if self.mins is not None:
+            _check_part(self.fmt, "mins", self.mins, torch.float32, (n, k // g))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads: packed data, scales, and zeros or mins."""
+        parts = (self.data, self.scales, self.zeros, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def _check_part(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{fmt}: {name} must be a contiguous {dtype} tensor of shape {shape}, got {got}")
+
+
+def _check_float(name: str, t: torch.Tensor, ndim: int = 2) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}; cast it with .float()")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}; flatten leading dims with "
+                         f".reshape(-1, K)")
+
+
+def quantize(w: torch.Tensor, fmt: str, group_size: int | None = None, *, backend: str = "auto") -> QuantizedWeight:
+    """Quantize a float weight (round to nearest).
+
+    Parameters
+    ----------
+    w : torch.Tensor
+        ``[N, K]`` float32, bfloat16 or float16.
+    fmt : str
+        ``"int8"`` (symmetric, ``s = max|w| / 127``), ``"int4"`` (symmetric with zero point 8, ``s = max|w| / 7``),
+        ``"int4_min"`` (``s = (max - min) / 15``, ``m = min``) or ``"fp8_e4m3"`` (``s = max|w| / 448``).
+    group_size : int, optional
+        32, 64 or 128 along K; ``None`` means per channel for int8 and fp8_e4m3, 128 for the int4 formats. K must be
+        a multiple of it.
+
+    Returns
+    -------
+    QuantizedWeight
+        Scales over a group are computed from that group; an all-zero group gets scale 0 and dequantizes to 0.
+    """
+    _check_float("w", w)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; choose one of {list(FORMATS)}")
+    k = w.shape[1]
+    if group_size is None:
+        group_size = 128 if fmt.startswith("int4") else k
+    elif fmt == "fp8_e4m3":
+        raise ValueError("fp8_e4m3 is per channel only; pass group_size=None")
+    elif group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES} (or None for per channel), got {group_size}")
+    if k == 0 or k % group_size:
+        raise ValueError(f"{fmt}: K={k} must be a positive multiple of group_size={group_size}; pad w's columns "
+                         f"with zeros or pick another group size")
+    if not torch.isfinite(w).all():
+        raise ValueError("w has NaN or inf entries; they cannot be quantized")
+    fn = registry.resolve("quantize", backend, w.device)
+    return fn(w, fmt, group_size)
+
+
+def dequantize(qw: QuantizedWeight, *, backend: str = "auto") -> torch.Tensor:
+    """The float weight a :class:`QuantizedWeight` stands for: float32 ``[N, K]``."""
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"qw must be a QuantizedWeight (from quantize or from_gguf), got {type(qw).__name__}")
+    return registry.resolve("dequantize", backend, qw.device)(qw)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``x @ w.T`` for float weights, accumulated in float32.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[M, K]`` float32, bfloat16 or float16.
+    w : torch.Tensor
+        ``[N, K]``, same dtype as ``x``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[M, N]`` in x's dtype.
+    """
+    _check_float("x", x)
+    _check_float("w", w)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w.dtype {w.dtype} != x.dtype {x.dtype}; cast one of them")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"x is [M, K] = {tuple(x.shape)} but w is [N, K] = {tuple(w.shape)}: K differs")
+    return registry.resolve("matmul", backend, x.device)(x, w)
+
+
+def qmatmul(x: torch.Tensor, qw: QuantizedWeight, *, backend: str = "auto") -> torch.Tensor:
+    """``x @ dequantize(qw).T`` accumulated in float32; the cpu backend never builds the dequantized matrix for M <= 8.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[M, K]`` float32, bfloat16 or float16 (M may be 0).
+    qw : QuantizedWeight
+        Shape ``(N, K)``, on x's device.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[M, N]`` in x's dtype.
+    """
+    _check_float("x", x)
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"qw must be a QuantizedWeight (from quantize or from_gguf), got {type(qw).__name__}")
+    if qw.shape[1] != x.shape[1]:
+        raise ValueError(f"x is [M, K] = {tuple(x.shape)} but qw is [N, K] = {qw.shape}: K differs")
+    if qw.device != x.device:
+        raise ValueError(f"x is on {x.device} but qw on {qw.device}; move the QuantizedWeight's tensors")
+    return registry.resolve("qmatmul", backend, x.device)(x, qw)
+
+
+def from_gguf(raw: bytes | np.ndarray | torch.Tensor, ggml_type: int | str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Wrap GGUF Q4_0, Q4_1 or Q8_0 blocks as a :class:`QuantizedWeight` (group 32), without changing any value.
+
+    Parameters
+    ----------
+    raw : bytes, numpy.ndarray or torch.Tensor
+        The tensor's block data as stored in the file (any shape; read as its bytes), ``N * K / 32`` blocks.
+    ggml_type : int or str
+        ``gguf.GGMLQuantizationType.Q4_0`` (2), ``Q4_1`` (3) or ``Q8_0`` (8), or the name ``"Q4_0"`` etc.
+    shape : tuple[int, int]
+        ``(N, K)`` row-major, K contiguous (GGUF lists the dims the other way round: ``ne = [K, N]``).
+
+    Example::
+
+        >>> t = gguf.GGUFReader(path).tensors[0]
+        >>> qw = from_gguf(t.data, t.tensor_type, tuple(reversed(t.shape.tolist())))
+    """
+    names = {name: tid for tid, (name, _) in _GGUF.items()}
+    tid = names.get(ggml_type.upper(), -1) if isinstance(ggml_type, str) else int(ggml_type)
+    if tid not in _GGUF:
+        raise ValueError(f"ggml type {ggml_type!r} is not supported; supported: {sorted(names)}")
+    name, block_bytes = _GGUF[tid]
+    n, k = (int(d) for d in shape)
+    if k <= 0 or k % 32:
+        raise ValueError(f"{name}: K={k} must be a positive multiple of the block size 32")
+    if isinstance(raw, torch.Tensor):
+        raw = raw.detach().cpu().contiguous().numpy()
+    buf = np.frombuffer(memoryview(np.ascontiguousarray(raw)).cast("B"), dtype=np.uint8)
+    if buf.size != n * (k // 32) * block_bytes:
+        raise ValueError(f"{name} {shape}: expected {n * (k // 32) * block_bytes} bytes "
+                         f"({n * k // 32} blocks of {block_bytes}), got {buf.size}")
+    blocks = buf.reshape(n, k // 32, block_bytes)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float().contiguous()
+    if name == "Q8_0":
+        data = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+        return QuantizedWeight("int8", (n, k), 32, data, d)
+    if name == "Q4_0":
+        data = torch.from_numpy(blocks[..., 2:].reshape(n, k // 2).copy())
+        return QuantizedWeight("int4", (n, k), 32, data, d, zeros=torch.full((n, k // 32), 8, dtype=torch.uint8))
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).float().contiguous()
+    data = torch.from_numpy(blocks[..., 4:].reshape(n, k // 2).copy())
+    return QuantizedWeight("int4_min", (n, k), 32, data, d, mins=m)

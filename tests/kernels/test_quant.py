@@ -1,0 +1,135 @@
+"""Conformance of the quant family: formats round-trip, GGUF blocks match gguf's own dequantizer, and every backend's
+matmul/qmatmul matches the float64 oracle on the dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.backends.reference.ops.quant import dequantize_f64, matmul_f64, qmatmul_f64
+from tessera.kernels import quant as Q
+from tests.kernels.conftest import kernel_backends
+from tests.kernels.tolerances import assert_close_to_oracle
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (format, group_size): per channel and every group size across the formats
+FORMATS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128), ("int4_min", 32),
+           ("int4_min", 128), ("fp8_e4m3", None)]
+
+
+def _weight(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
+    # rows of different magnitudes, so per-row/per-group scales matter
+    return torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
+
+
+def _k_for(group_size: int | None) -> int:
+    return 3 * (group_size or 32)  # an odd number of groups: exercises the cpu kernels' tails
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("fmt,group_size", FORMATS)
+def test_round_trip_error_bound(backend: str, fmt: str, group_size: int | None, gen: torch.Generator) -> None:
+    n, k = 37, _k_for(group_size)
+    w = _weight(gen, n, k)
+    qw = Q.quantize(w, fmt, group_size, backend=backend)
+    assert qw.fmt == fmt and qw.shape == (n, k) and qw.group_size == (group_size or (128 if fmt.startswith("int4") else k))
+    deq = Q.dequantize(qw, backend=backend)
+    assert deq.dtype == torch.float32 and deq.shape == (n, k)
+    # float32 rounding of q * s + m, relative to the weight's range
+    torch.testing.assert_close(deq.double(), dequantize_f64(qw), rtol=1e-6, atol=1e-6 * float(w.abs().max()))
+    s = qw.scales.double().repeat_interleave(qw.group_size, dim=1)
+    err = (deq.double() - w.double()).abs()
+    if fmt == "fp8_e4m3":  # 3 mantissa bits: half an ulp is 2^-4 relative; subnormal steps are 2^-9 * s
+        bound = w.double().abs() * 2.0**-4 + s * 2.0**-10
+    else:  # round to nearest: half a step
+        bound = s / 2
+    assert bool((err <= bound * (1 + 1e-5) + 1e-7).all()), f"max excess {(err - bound).max():.3g}"
+
+
+def test_all_zero_group_dequantizes_to_zero(gen: torch.Generator) -> None:
+    w = _weight(gen, 4, 64)
+    w[1, :32] = 0
+    for fmt in ("int8", "int4", "int4_min"):
+        deq = Q.dequantize(Q.quantize(w, fmt, 32))
+        assert bool((deq[1, :32] == 0).all()), fmt
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,group_size", FORMATS)
+@pytest.mark.parametrize("m", [0, 1, 3, 17])
+def test_qmatmul_matches_oracle(backend: str, dtype: torch.dtype, fmt: str, group_size: int | None, m: int,
+                                gen: torch.Generator) -> None:
+    if backend == "triton" and (m == 3 or (fmt, group_size) in (("int4", 64), ("int4_min", 128))):
+        pytest.skip("interpreter time: triton covers M=0/1/17 and one group size per int4 format")
+    n, k = 37, _k_for(group_size)
+    qw = Q.quantize(_weight(gen, n, k), fmt, group_size)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    out = Q.qmatmul(x, qw, backend=backend)
+    assert out.dtype == dtype
+    assert_close_to_oracle(out, qmatmul_f64(x, qw), dtype, f"{backend} {fmt}/{group_size} m={m}", reduction=True)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("fmt,group_size", FORMATS)
+def test_cpu_kernel_paths_long_k(fmt: str, group_size: int | None, m: int, gen: torch.Generator) -> None:
+    """The Numba GEMV at a decode-like K (many groups, fp32 accumulation over 2k terms)."""
+    n, k = 41, 2048 + (group_size or 32)
+    qw = Q.quantize(_weight(gen, n, k), fmt, group_size)
+    x = torch.randn(m, k, generator=gen)
+    assert_close_to_oracle(Q.qmatmul(x, qw, backend="cpu"), qmatmul_f64(x, qw), torch.float32, fmt, reduction=True)
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [0, 1, 17])
+def test_matmul_matches_oracle(backend: str, dtype: torch.dtype, m: int, gen: torch.Generator) -> None:
+    x = torch.randn(m, 75, generator=gen).to(dtype)
+    w = torch.randn(33, 75, generator=gen).to(dtype)
+    out = Q.matmul(x, w, backend=backend)
+    assert out.dtype == dtype
+    assert_close_to_oracle(out, matmul_f64(x, w), dtype, f"{backend} matmul m={m}", reduction=True)
+
+
+@pytest.mark.parametrize("name,fmt", [("Q4_0", "int4"), ("Q4_1", "int4_min"), ("Q8_0", "int8")])
+def test_from_gguf_matches_gguf_dequantize(name: str, fmt: str, gen: torch.Generator) -> None:
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[name]
+    n, k = 7, 160
+    w = _weight(gen, n, k).numpy()
+    raw = gguf.quants.quantize(w, qtype)
+    qw = Q.from_gguf(raw, qtype, (n, k))
+    assert qw.fmt == fmt and qw.group_size == 32
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
+    assert torch.equal(Q.dequantize(qw), expected.float())  # bit-exact: the same formulas, no conversion
+    assert Q.from_gguf(raw.tobytes(), name, (n, k)).data.equal(qw.data)
+    x = torch.randn(2, k, generator=gen)
+    assert_close_to_oracle(Q.qmatmul(x, qw), x.double() @ expected.double().T, torch.float32, name, reduction=True)
+
+
+def test_nbytes_counts_packed_parts(gen: torch.Generator) -> None:
+    qw = Q.quantize(_weight(gen, 8, 256), "int4", 128)
+    assert qw.nbytes == 8 * 128 + 8 * 2 * 4 + 8 * 2
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda w: Q.quantize(w[:, :80], "int4", 32), ValueError, "multiple of group_size"),
+    (lambda w: Q.quantize(w, "int3"), ValueError, "unknown quantized format"),
+    (lambda w: Q.quantize(w, "int4", 48), ValueError, "group_size must be one of"),
+    (lambda w: Q.quantize(w, "fp8_e4m3", 32), ValueError, "per channel only"),
+    (lambda w: Q.quantize(w.to(torch.int32), "int8"), TypeError, "float32, bfloat16 or float16"),
+    (lambda w: Q.quantize(w.masked_fill(w > 1, float("nan")), "int8"), ValueError, "NaN"),
+    (lambda w: Q.qmatmul(w[:, :32], Q.quantize(w, "int8")), ValueError, "K differs"),
+    (lambda w: Q.qmatmul(w[0], Q.quantize(w, "int8")), ValueError, "must be 2-D"),
+    (lambda w: Q.qmatmul(w, w), TypeError, "QuantizedWeight"),
+    (lambda w: Q.matmul(w, w.half()), TypeError, "cast one of them"),
+    (lambda w: Q.qmatmul(w, Q.quantize(w, "int8"), backend="nope"), ValueError, "unknown backend"),
+    (lambda w: Q.from_gguf(np.zeros(10, np.uint8), "Q4_0", (1, 32)), ValueError, "expected 18 bytes"),
+    (lambda w: Q.from_gguf(np.zeros(10, np.uint8), "Q6_K", (1, 256)), ValueError, "not supported"),
+    (lambda w: Q.QuantizedWeight("int4", (2, 64), 32, torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 2)),
+     ValueError, "zeros must be given"),
+])
+def test_errors(call, exc: type, match: str, gen: torch.Generator) -> None:
+    with pytest.raises(exc, match=match):
+        call(torch.randn(6, 96, generator=gen))
