@@ -1,0 +1,113 @@
+"""Token embedding lookup and the tied output projection (LM head).
+
+``embed`` gathers rows of the embedding table, optionally scaled (Gemma multiplies by ``sqrt(hidden)`` rounded to the
+table dtype: pass ``scale=gemma_embed_scale(hidden, dtype)``). ``lm_head`` computes float32 logits against the same
+table (tied weights), with Gemma 2's optional final-logit softcap. ``docs/kernels/embedding.md`` has details.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tessera.kernels import registry
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def embed(ids: torch.Tensor, table: torch.Tensor, *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Embedding lookup ``out[...] = table[ids[...]] * scale`` (scale applied in float32, rounded once).
+
+    Parameters
+    ----------
+    ids : torch.Tensor ``[...]``, int64 / int32 / int16 / uint8, every id in ``[0, V)``
+    table : torch.Tensor ``[V, H]``, float32 / bfloat16 / float16, same device as ids
+    scale : float, optional. Gemma: ``gemma_embed_scale(H, table.dtype)`` (``sqrt(H)`` rounded to the table dtype,
+        as Hugging Face's ``torch.tensor(H ** 0.5, dtype=dtype)``).
+    backend : "auto", "reference", "cpu" or "triton"
+
+    Returns
+    -------
+    ``[..., H]`` in the table's dtype.
+
+    Raises
+    ------
+    IndexError when an id is negative or >= V (the message names it).
+
+    Examples
+    --------
+    >>> h = embed(torch.tensor([[1, 2, 3]]), wte)                                  # [1, 3, H]
+    >>> h = embed(ids, emb, scale=gemma_embed_scale(emb.shape[1], emb.dtype))     # Gemma
+    """
+    _check_table("embed", table)
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"embed: ids must be an integer tensor (int64, int32, int16 or uint8), got {got}")
+    if ids.device != table.device:
+        raise ValueError(f"embed: ids are on {ids.device} but the table is on {table.device}; move them together")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"embed: scale must be a finite float or None, got {scale}")
+    _check_ids_in_range(ids, table.shape[0])
+    return registry.resolve("embed", backend, table.device)(ids, table, None if scale is None else float(scale))
+
+
+def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None = None,
+            backend: str = "auto") -> torch.Tensor:
+    """Tied output projection ``logits = hidden @ table.T`` accumulated in float32, optionally soft-capped
+    ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``).
+
+    Parameters
+    ----------
+    hidden : torch.Tensor ``[..., H]``, float32 / bfloat16 / float16
+    table : torch.Tensor ``[V, H]``, float32 / bfloat16 / float16 (the embedding table), same device
+    softcap : float > 0, optional
+    backend : "auto", "reference", "cpu" or "triton"
+
+    Returns
+    -------
+    ``[..., V]`` float32 logits.
+
+    Examples
+    --------
+    >>> logits = lm_head(final_norm_out[-1:], wte)          # [1, V] float32
+    """
+    _check_table("lm_head", table)
+    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in FLOAT_DTYPES:
+        got = hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise TypeError(f"lm_head: hidden must be a float32, bfloat16 or float16 tensor, got {got}")
+    if hidden.dim() < 1 or hidden.shape[-1] != table.shape[1]:
+        raise ValueError(f"lm_head: hidden must be [..., H] with H = {table.shape[1]} (the table's width), got "
+                         f"shape {tuple(hidden.shape)}")
+    if hidden.device != table.device:
+        raise ValueError(f"lm_head: hidden is on {hidden.device} but the table on {table.device}; move them together")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"lm_head: softcap must be a finite float > 0 or None, got {softcap}")
+    cap = None if softcap is None else float(softcap)
+    return registry.resolve("lm_head", backend, table.device)(hidden, table, cap)
+
+
+def gemma_embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding normalizer: ``sqrt(hidden_size)`` rounded to ``dtype`` (e.g. 48.0 for 2304 in bf16)."""
+    return float(torch.tensor(hidden_size**0.5, dtype=dtype))
+
+
+def _check_table(op: str, table: torch.Tensor) -> None:
+    if not isinstance(table, torch.Tensor) or table.dtype not in FLOAT_DTYPES:
+        got = table.dtype if isinstance(table, torch.Tensor) else type(table).__name__
+        raise TypeError(f"{op}: table must be a float32, bfloat16 or float16 tensor, got {got}")
+    if table.dim() != 2 or table.shape[0] == 0:
+        raise ValueError(f"{op}: table must be [V, H] with V >= 1, got shape {tuple(table.shape)}")
+
+
+def _check_ids_in_range(ids: torch.Tensor, vocab: int) -> None:
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        where = tuple(int(i) for i in (ids == bad).nonzero()[0])
+        raise IndexError(f"embed: token id {bad} at index {where} is out of range for a table of {vocab} rows "
+                         f"(ids must lie in [0, {vocab})); check the tokenizer's vocab size against the model's")
