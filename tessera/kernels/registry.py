@@ -59,11 +59,23 @@ def _triton_usable() -> bool:
     return not registered()["triton"].available()
 
 
+_RESOLVED: dict[tuple[str, str, str], Callable] = {}
+
+
 def resolve(op: str, backend: str, device) -> Callable:
     """The implementation of ``op`` to run for tensors on ``device``.
 
     Raises ValueError for unknown backends or backends that lack the op (the message lists those that have it).
+    Answers are cached per (op, backend, device type): decode-sized calls take a few microseconds in total.
     """
+    key = (op, backend, getattr(device, "type", str(device)))
+    fn = _RESOLVED.get(key)
+    if fn is None:
+        fn = _RESOLVED[key] = _resolve(op, backend, device)
+    return fn
+
+
+def _resolve(op: str, backend: str, device) -> Callable:
     have = implementations(op)
     if not have:
         raise ValueError(f"no backend implements kernel op {op!r}")
