@@ -27,7 +27,7 @@ def _k_for(group_size: int | None) -> int:
     return 3 * (group_size or 32)  # an odd number of groups: exercises the cpu kernels' tails
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])  # triton: bit-identical to reference (test below)
 @pytest.mark.parametrize("fmt,group_size", FORMATS)
 def test_round_trip_error_bound(backend: str, fmt: str, group_size: int | None, gen: torch.Generator) -> None:
     n, k = 37, _k_for(group_size)
@@ -45,6 +45,63 @@ def test_round_trip_error_bound(backend: str, fmt: str, group_size: int | None, 
     else:  # round to nearest: half a step
         bound = s / 2
     assert bool((err <= bound * (1 + 1e-5) + 1e-7).all()), f"max excess {(err - bound).max():.3g}"
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Raw bits, so -0.0 / +0.0 and NaN payloads count as differences."""
+    if t is None:
+        return None
+    return t.view({torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}.get(t.dtype, t.dtype))
+
+
+def _assert_same_packing(got: Q.QuantizedWeight, want: Q.QuantizedWeight, what: str) -> None:
+    assert (got.fmt, got.shape, got.group_size) == (want.fmt, want.shape, want.group_size), what
+    for part in ("data", "scales", "zeros", "mins"):
+        a, b = _bits(getattr(got, part)), _bits(getattr(want, part))
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: {part} differs"
+
+
+@pytest.mark.parametrize("backend", kernel_backends()[2:])  # triton (skipped where it cannot run)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,group_size", FORMATS)
+def test_triton_quantize_dequantize_bit_identical(backend: str, fmt: str, group_size: int | None, dtype: torch.dtype,
+                                                  gen: torch.Generator) -> None:
+    """triton's quantize packs the reference's bytes and scales; its dequantize returns the reference's floats."""
+    n, k = 3, _k_for(group_size)
+    w = _weight(gen, n, k).to(dtype)
+    w[1, : group_size or k] = 0  # an all-zero group: scale 0
+    w[2, 3] = -0.0
+    qw = Q.quantize(w, fmt, group_size, backend=backend)
+    want = Q.quantize(w, fmt, group_size, backend="reference")
+    _assert_same_packing(qw, want, f"{fmt}/{group_size} {dtype}")
+    deq = Q.dequantize(want, backend=backend)
+    assert deq.dtype == torch.float32 and torch.equal(_bits(deq), _bits(Q.dequantize(want, backend="reference")))
+
+
+@pytest.mark.parametrize("backend", kernel_backends()[2:])
+def test_triton_quantize_rounding_ties(backend: str) -> None:
+    """Exact halves (power-of-two scales) round half to even, and fp8 midpoints of every code (float64 -> float32 ->
+    fp8, as torch converts) land where the reference puts them."""
+    halves = torch.arange(-127, 129, dtype=torch.float32).reshape(1, -1) / 16  # q = w / s = n / 2
+    halves[0, 0] = 127 / 8  # s = 1/8
+    cases = [("int8", halves, None), ("int8", halves, 32),
+             ("int4", (torch.arange(-16, 16, 0.5).reshape(1, 64).clamp(-7, 7)), 32),
+             ("int4_min", torch.arange(0, 64, dtype=torch.float32).reshape(1, 64) / 2, 32)]
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    c = codes[torch.isfinite(codes)].unique()
+    mids = (c[1:] + c[:-1]) / 2
+    vals = torch.cat([c, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    row = torch.zeros(1, 32 * (len(vals) // 32 + 1))
+    row[0, : len(vals)], row[0, -1] = vals, 448.0  # s = 1
+    cases.append(("fp8_e4m3", row, None))
+    for fmt, w, g in cases:
+        _assert_same_packing(Q.quantize(w, fmt, g, backend=backend), Q.quantize(w, fmt, g, backend="reference"), fmt)
+    # every fp8 code, NaNs included, dequantizes as the reference does
+    qw = Q.QuantizedWeight("fp8_e4m3", (1, 256), 256, torch.arange(256, dtype=torch.uint8)
+                           .view(torch.float8_e4m3fn).reshape(1, 256), torch.tensor([[0.37]]))
+    got, want = Q.dequantize(qw, backend=backend), Q.dequantize(qw, backend="reference")
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(_bits(got)[~want.isnan()], _bits(want)[~want.isnan()])
 
 
 def test_all_zero_group_dequantizes_to_zero(gen: torch.Generator) -> None:

@@ -78,6 +78,27 @@ def test_topk_boundary_ties(backend):
     assert values.tolist() == [[3.0, 3.0, 2.0]] and ids.tolist() == [[1, 3, 2]]
 
 
+@pytest.mark.parametrize("backend", kernel_backends()[2:])  # triton (skipped where it cannot run)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 600), (2, 5000)])  # 3 chunks + merge / one chunk, under the interpreter
+def test_triton_topk_kernel_ties(backend, dtype, shape, gen):
+    """The Triton top-k (k <= 64; several vocabulary chunks under the interpreter) on tie-heavy rows, -inf, -0.0,
+    and k = 65 (the torch fallback): values bit for bit and ids equal to the reference's stable sort."""
+    x = _logits(gen, shape, dtype)
+    coarse = (x.float() * 0.3).round().clamp(-1, 1).to(dtype)  # a third of the row ties at the max
+    coarse[0, 17] = -0.0
+    masked = x.clone()
+    masked[:, ::3] = float("-inf")
+    zeros = torch.zeros(shape, dtype=dtype)
+    zeros[:, 1::2] = -0.0
+    for row_set, ks_ in ((x, (1, 64, 65)), (coarse, (5, 64)), (masked, (5,)), (zeros, (64,))):
+        for k in ks_:
+            values, ids = ks.topk(row_set, k, backend=backend)
+            want_values, want_ids = ref.topk(row_set, k)
+            assert torch.equal(ids, want_ids), f"k={k}: ties must go to the lowest index"
+            assert torch.equal(values.view(torch.int32), want_values.view(torch.int32)), f"k={k}"
+
+
 @pytest.mark.parametrize("backend", kernel_backends())
 def test_empty_batch(backend):
     x = torch.zeros(0, 9)
