@@ -39,6 +39,9 @@ class Model:
         if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got "
                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        if self.config.learned_positions and token_ids.shape[1] > self.config.max_position:
+            raise ValueError(f"sequence of {token_ids.shape[1]} tokens is longer than the model's "
+                             f"{self.config.max_position} learned positions")
         return forward_logits(self.config, self.weights, token_ids.long(), self.backend, hidden_states)
 
     @torch.no_grad()  # not inference_mode: kernels write outputs from worker threads
