@@ -68,7 +68,8 @@ def default_model_path() -> Path:
     return files[0]
 
 
-def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto") -> Model:
+def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto", *,
+               keep_quantized: bool = False) -> Model:
     """Load a GGUF file or a Hugging Face directory.
 
     Parameters
@@ -76,6 +77,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     path : a ``.gguf`` file, a directory with ``config.json`` + safetensors, or None for SmolLM2-135M-Instruct.
     dtype : "float32", "bfloat16" or "float16" (the weights' and activations' dtype; logits are float32).
     backend : kernel/attention backend for every op ("auto", "cpu", "reference", "triton").
+    keep_quantized : GGUF only: keep Q4_0 / Q4_1 / Q8_0 projections packed (``QuantizedWeight``, exact) instead of
+        dequantizing them to ``dtype``.
     """
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if torch_dtype not in _DTYPES.values():
@@ -89,7 +92,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
                              "directory (config.json + safetensors)")
         from tessera.models.gguf import load_gguf
 
-        return load_gguf(path, torch_dtype, backend)
+        return load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized)
     from tessera.models import hf
 
     _, family, config = hf.read_config(path)

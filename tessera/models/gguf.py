@@ -1,0 +1,336 @@
+"""Load a GGUF file (llama.cpp's format) as a runnable :class:`~tessera.models.model.Model`.
+
+The file is read with ``gguf.GGUFReader`` (memory-mapped). Its metadata becomes a Hugging Face-style config dict
+that the family module turns into a :class:`ModelConfig`, so a GGUF model and the same model's safetensors
+directory share every line after the reader. Tensors are renamed to the Hugging Face checkpoint names the family's
+:class:`WeightSpec` list asks for and assembled the same way (q|k|v and gate|up fused).
+
+Two things differ from a safetensors checkpoint:
+
+* llama.cpp's converter interleaves the two rotary halves of every Q and K head (llama.cpp rotates adjacent pairs,
+  Hugging Face rotates the halves); :func:`unpermute_rows` restores the order for the architectures it applies to.
+* Projections are usually quantized. By default every tensor is dequantized (``gguf.quants.dequantize``) to the
+  requested dtype; with ``keep_quantized=True`` the 2-D projections stay packed as :class:`QuantizedWeight`
+  (Q4_0, Q4_1, Q8_0 are held exactly; the un-permutation moves whole rows, so it is exact too).
+
+>>> model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
+>>> model.tokenizer.encode("Hello world").ids
+[19556, 905]
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from tessera.kernels.quant import QuantizedWeight, from_gguf
+from tessera.models.config import ModelConfig
+from tessera.models.families import all_families
+from tessera.models.families.common import Family, WeightSpec
+from tessera.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
+from tessera.models.hf import CheckpointError, check_shapes
+from tessera.models.model import Model
+
+_T = gguf.GGMLQuantizationType
+_FLOAT_TYPES = (_T.F32, _T.F16, _T.BF16)
+_PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # what from_gguf holds without changing a value
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one ``general.architecture`` maps onto a Tessera family."""
+
+    family: str
+    permuted_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K rows
+
+
+#: ``general.architecture`` -> rule; Mistral files say "llama" too (they run as Llama when no window is set)
+ARCHITECTURES = {"llama": GGUFArch("llama", permuted_qk=True),
+                 "qwen2": GGUFArch("qwen2", permuted_qk=False),
+                 "qwen3": GGUFArch("qwen3", permuted_qk=False)}
+
+# Hugging Face module path -> GGUF tensor name, per layer ("blk.{i}.<name>") and global
+_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Lookup tables and 1-D tensors stay float even with keep_quantized: the embedding and lm_head kernels read floats.
+_ALWAYS_FLOAT = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backend: str = "auto", *,
+              keep_quantized: bool = False) -> Model:
+    """Read a GGUF file: config, weights under canonical names, tokenizer and chat template.
+
+    Parameters
+    ----------
+    path : str or Path
+        A ``.gguf`` file whose ``general.architecture`` is one of :data:`ARCHITECTURES`.
+    torch_dtype : torch.dtype
+        float32, bfloat16 or float16: the dtype float weights are dequantized / cast to.
+    backend : str
+        Kernel backend the returned model runs on ("auto", "cpu", "reference", "triton").
+    keep_quantized : bool
+        Keep the 2-D projections (``qkv``, ``o``, ``gate_up``, ``down``) packed as :class:`QuantizedWeight` instead
+        of dequantizing them: exact for Q4_0, Q4_1 and Q8_0 (float-typed projections stay float). Embeddings, the
+        lm_head and norms are always dequantized. Any other quantized projection type raises.
+
+    Returns
+    -------
+    Model
+        ``tokenizer`` is a ``tokenizers.Tokenizer`` for byte-level BPE files (None with a warning otherwise);
+        ``chat_template`` is ``tokenizer.chat_template`` when present.
+
+    Raises
+    ------
+    FileNotFoundError, CheckpointError
+        Missing file, not a GGUF file, unsupported architecture / quantization type, missing or misshapen tensor.
+    """
+    reader = open_reader(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    arch, family, config = config_from_gguf(meta, tensors, path)
+    weights = load_weights(tensors, config, family, arch, torch_dtype, keep_quantized)
+    return Model(config, weights, _tokenizer(meta, path), meta.get("tokenizer.chat_template"), backend)
+
+
+def open_reader(path: str | Path) -> gguf.GGUFReader:
+    """A memory-mapped reader, after checking the file exists and starts with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_gguf: {path} does not exist (or is not a file); pass the path of a .gguf file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, a GGUF file with b'GGUF'. "
+                              "Pass a .gguf file, or a Hugging Face directory to load_model")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, OSError, IndexError) as err:  # truncated or corrupt header
+        raise CheckpointError(f"{path} starts like a GGUF file but cannot be parsed ({err}); the file may be "
+                              "truncated or corrupt") from err
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """GGUF key -> Python value (str, int, float, bool or list), every key of the file."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: str | Path = "<gguf>"
+                     ) -> tuple[GGUFArch, Family, ModelConfig]:
+    """The file's architecture rule, family and :class:`ModelConfig` (via an HF-style config dict)."""
+    name = meta.get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
+                              f"{sorted(ARCHITECTURES)}")
+    arch = ARCHITECTURES[name]
+    family = all_families()[arch.family]
+    if meta.get(f"{name}.expert_count"):
+        raise CheckpointError(f"{path}: mixture-of-experts GGUF files ({name}.expert_count = "
+                              f"{meta[f'{name}.expert_count']}) are not supported yet; load the Hugging Face "
+                              "checkpoint instead")
+    if "rope_freqs.weight" in tensors:
+        raise CheckpointError(f"{path} has a rope_freqs tensor (Llama 3.1-style per-frequency RoPE factors), which "
+                              "the GGUF loader does not read yet; load the Hugging Face checkpoint instead")
+    return arch, family, family.config_from_hf(hf_config(meta, tensors, name, arch.family, path))
+
+
+def hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, model_type: str,
+              path: str | Path = "<gguf>") -> dict[str, Any]:
+    """The Hugging Face ``config.json`` keys the families read, from ``{arch}.*`` and ``tokenizer.ggml.*`` keys."""
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if required and value is None:
+            raise CheckpointError(f"{path}: GGUF metadata key {arch}.{key!r} is missing; the file is incomplete")
+        if isinstance(value, list):
+            raise CheckpointError(f"{path}: {arch}.{key} is a per-layer list {value[:4]}...; Tessera needs one "
+                                  "value for every layer")
+        return value
+
+    hidden, heads = get("embedding_length", required=True), get("attention.head_count", required=True)
+    head_dim = get("attention.key_length", hidden // heads)
+    rope_dim = get("rope.dimension_count", head_dim)
+    embed = tensors.get("token_embd.weight")  # its rows are the model's vocabulary (ne = [hidden, vocab])
+    vocab = get("vocab_size") or (int(embed.shape[-1]) if embed is not None else None) or len(
+        meta.get("tokenizer.ggml.tokens", ()))
+    hf = {
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length", required=True),
+        "num_hidden_layers": get("block_count", required=True),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length", 2048),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if rope_dim != head_dim:
+        hf["partial_rotary_factor"] = rope_dim / head_dim
+    linear = get("rope.scale_linear")  # the key older converters wrote for linear scaling
+    scaling = rope_scaling(get("rope.scaling.type", "linear" if linear else None),
+                           get("rope.scaling.factor", linear), path)
+    if scaling:
+        hf["rope_scaling"] = scaling
+    return hf
+
+
+def rope_scaling(kind: str | None, factor: float | None, path: str | Path = "<gguf>") -> dict[str, Any] | None:
+    """HF ``rope_scaling`` for GGUF's ``rope.scaling.type``: none or linear (others change more than the factor)."""
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise CheckpointError(f"{path}: GGUF rope.scaling.type {kind!r} is not supported; supported: ['none', 'linear']")
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of a Hugging Face checkpoint name (``model.layers.3.mlp.up_proj.weight`` ->
+    ``blk.3.ffn_up.weight``)."""
+    match = _HF_LAYER.match(hf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    module, _, suffix = hf_name.rpartition(".")
+    if module in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[module]}.{suffix}"
+    raise CheckpointError(f"no GGUF name is known for checkpoint tensor {hf_name!r}; the GGUF loader maps "
+                          f"{sorted(_LAYER_NAMES)} per layer and {sorted(_GLOBAL_NAMES)}")
+
+
+def unpermute_rows(num_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation: ``ours = file[index]``, int64 ``[num_heads * head_dim]``.
+
+    Within each head llama.cpp stores row ``2 j + half`` what Hugging Face keeps at row ``half * head_dim / 2 + j``.
+    """
+    j = torch.arange(head_dim // 2)
+    within = torch.cat([2 * j, 2 * j + 1])
+    return (torch.arange(num_heads)[:, None] * head_dim + within).reshape(-1)
+
+
+def load_weights(tensors: dict[str, Any], config: ModelConfig, family: Family, arch: GGUFArch,
+                 dtype: torch.dtype, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Canonical weights from the file's tensors, by the family's :class:`WeightSpec` list."""
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for spec in family.weight_specs(config):
+        names = [gguf_name(s) for s in spec.sources]
+        missing = [n for n in names if n not in tensors]
+        if missing and spec.optional:
+            continue
+        if missing:
+            raise CheckpointError(f"GGUF tensor {missing[0]!r} is missing (needed for {spec.name!r} by the "
+                                  f"{family.name} family); the file is incomplete or of another architecture")
+        packed = keep_quantized and len(tensors[names[0]].shape) == 2 and spec.sources[0] not in _ALWAYS_FLOAT
+        parts = [_read(tensors[n], hf, config, arch, dtype, packed) for n, hf in zip(names, spec.sources)]
+        weights[spec.name] = _assemble(spec, parts)
+    check_shapes(config, weights)
+    return weights
+
+
+def _expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...] | None:
+    """The shape the config implies for a checkpoint tensor (``(N, K)`` for a projection; None when unknown)."""
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    kind = hf_name.rsplit(".", 2)[-2]
+    shapes = {"input_layernorm": (h,), "post_attention_layernorm": (h,), "norm": (h,), "q_norm": (d,), "k_norm": (d,),
+              "q_proj": (config.num_heads * d, h), "k_proj": (config.num_kv_heads * d, h),
+              "v_proj": (config.num_kv_heads * d, h), "o_proj": (h, config.num_heads * d), "gate_proj": (i, h),
+              "up_proj": (i, h), "down_proj": (h, i), "embed_tokens": (config.vocab_size, h),
+              "lm_head": (config.vocab_size, h)}
+    want = shapes.get(kind)
+    return want if want is None or hf_name.endswith(".weight") else want[:1]
+
+
+def _read(t: Any, hf_name: str, config: ModelConfig, arch: GGUFArch, dtype: torch.dtype,
+          packed: bool) -> torch.Tensor | QuantizedWeight:
+    """One file tensor, shape-checked, un-permuted when needed, as a float tensor or QuantizedWeight."""
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first (ne order)
+    want = _expected_shape(hf_name, config)
+    if want is not None and shape != want:
+        raise CheckpointError(f"GGUF tensor {t.name!r} has shape {shape} (ne = {t.shape.tolist()}), but the "
+                              f"metadata implies {want}; the file's tensors and its {arch.family} metadata disagree")
+    qtype = _T(int(t.tensor_type))
+    if packed and qtype not in _FLOAT_TYPES:
+        if qtype not in _PACKABLE:
+            raise CheckpointError(f"GGUF tensor {t.name!r} is {qtype.name}, which keep_quantized cannot hold "
+                                  f"exactly (supported: {[q.name for q in _PACKABLE]}); load with "
+                                  "keep_quantized=False to dequantize it")
+        out: torch.Tensor | QuantizedWeight = from_gguf(t.data, qtype, shape)
+    else:
+        out = _dequantize(t, qtype, shape, dtype)
+    rows = _permutation(hf_name, config, arch)
+    return out if rows is None else _take_rows(out, rows)
+
+
+def _dequantize(t: Any, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    try:
+        values = gguf.quants.dequantize(t.data, qtype)
+    except NotImplementedError as err:
+        raise CheckpointError(f"GGUF tensor {t.name!r} has type {qtype.name}, which cannot be dequantized "
+                              f"({err}); re-quantize the model to a supported type (F16, Q8_0, Q4_K, ...)") from err
+    # the reader's arrays are read-only views of the mapped file: copy into memory we own
+    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)
+    return torch.from_numpy(array).to(dtype)
+
+
+def _permutation(hf_name: str, config: ModelConfig, arch: GGUFArch) -> torch.Tensor | None:
+    if not arch.permuted_qk:
+        return None
+    if ".self_attn.q_proj." in hf_name:
+        return unpermute_rows(config.num_heads, config.head_dim)
+    if ".self_attn.k_proj." in hf_name:
+        return unpermute_rows(config.num_kv_heads, config.head_dim)
+    return None
+
+
+def _take_rows(w: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    """Rows ``rows`` of a float or packed weight (a packed row is whole blocks along K, so this is exact)."""
+    if isinstance(w, torch.Tensor):
+        return w.index_select(0, rows)
+    pick = (lambda x: None if x is None else x.index_select(0, rows).contiguous())
+    return QuantizedWeight(w.fmt, (len(rows), w.shape[1]), w.group_size, pick(w.data), pick(w.scales),
+                           pick(w.zeros), pick(w.mins))
+
+
+def _assemble(spec: WeightSpec, parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    if spec.combine == "one":
+        return parts[0].contiguous() if isinstance(parts[0], torch.Tensor) else parts[0]
+    if spec.combine != "cat":
+        raise CheckpointError(f"{spec.name}: combine rule {spec.combine!r} is not supported for GGUF files")
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0)
+    return _cat_packed(spec, parts)
+
+
+def _cat_packed(spec: WeightSpec, parts: list[torch.Tensor | QuantizedWeight]) -> QuantizedWeight:
+    """Stack packed weights along N (q|k|v, gate|up); they must share one format."""
+    formats = [p.fmt if isinstance(p, QuantizedWeight) else str(p.dtype) for p in parts]
+    if len(set(formats)) != 1:
+        raise CheckpointError(f"{spec.name}: keep_quantized needs {list(spec.sources)} in one format to fuse them, "
+                              f"got {formats}; load with keep_quantized=False to dequantize")
+    first = parts[0]
+    cat = (lambda get: None if get(first) is None else torch.cat([get(p) for p in parts], dim=0))
+    return QuantizedWeight(first.fmt, (sum(p.shape[0] for p in parts), first.shape[1]), first.group_size,
+                           cat(lambda p: p.data), cat(lambda p: p.scales), cat(lambda p: p.zeros),
+                           cat(lambda p: p.mins))
+
+
+def _tokenizer(meta: dict[str, Any], path: str | Path) -> Any:
+    try:
+        return build_tokenizer(meta)
+    except UnsupportedTokenizer as err:
+        warnings.warn(f"{path}: no tokenizer ({err})", stacklevel=3)
+        return None

@@ -1,0 +1,160 @@
+"""The tokenizer a GGUF file describes, rebuilt as a ``tokenizers.Tokenizer`` from its ``tokenizer.ggml.*`` keys.
+
+A GGUF file has no ``tokenizer.json``: it stores the vocabulary, the merges, each token's type and the special token
+ids under llama.cpp's key names. For byte-level BPE vocabularies (``tokenizer.ggml.model = "gpt2"``: GPT-2,
+SmolLM, Llama 3, Qwen2, ...) this module writes the equivalent ``tokenizer.json`` document and loads it, so that
+encoding gives the ids llama.cpp and Hugging Face's GGUF loader give. Other tokenizer models (SentencePiece
+``"llama"``, ``"t5"``, ...) are not rebuilt yet; :func:`build_tokenizer` raises :class:`UnsupportedTokenizer`.
+
+>>> tok = build_tokenizer(metadata)            # metadata: GGUF key -> value, see gguf.read_metadata
+>>> tok.encode("Hello world").ids
+[19556, 905]
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import Tokenizer
+
+#: llama.cpp's token types (``llama_token_type``); only these two are matched whole in the text
+CONTROL, USER_DEFINED = 3, 4
+
+# Pre-tokenizer split patterns, keyed by ``tokenizer.ggml.pre`` (the vocabulary's training-time split; llama.cpp
+# keeps the same table). Keys not listed here use GPT-2's own pattern, which ByteLevel applies itself.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# Vocabularies trained on single digits: every digit is its own pre-token before GPT-2's split.
+_DIGIT_SPLIT = ("smollm", "starcoder", "refact")
+_GPT2_DEFAULT = ("default", "gpt2", "gpt-2", "") + _DIGIT_SPLIT
+
+
+class UnsupportedTokenizer(ValueError):
+    """The file's tokenizer model (``tokenizer.ggml.model``) is one this module cannot rebuild."""
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (byte-level BPE vocabularies spell every byte with one of these).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, ...) are shifted to the code
+    points from 256 upwards, in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = (b for b in range(256) if b not in mapping)
+    mapping.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return mapping
+
+
+def byte_level_spelling(token: str) -> str:
+    """``token`` as a byte-level vocabulary spells it: unchanged when already spelled so, else its UTF-8 bytes.
+
+    Some converters store a few tokens as plain text ("<think>" with a real space, say); the model's BPE only
+    ever produces byte-alphabet strings, so those entries are respelled to be reachable.
+    """
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+    if all(ch in letters for ch in token):
+        return token
+    return "".join(alphabet[b] for b in token.encode("utf-8"))
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` of a GGUF file's metadata.
+
+    Parameters
+    ----------
+    meta : dict
+        GGUF key -> value; needs ``tokenizer.ggml.model``, ``.tokens`` and ``.merges``, reads ``.token_type``,
+        ``.pre``, ``.bos_token_id``, ``.eos_token_id``, ``.add_bos_token``, ``.add_eos_token``.
+
+    Returns
+    -------
+    tokenizers.Tokenizer
+        Byte-level BPE with the file's vocabulary and merges; control tokens (type 3) are special added tokens and
+        user-defined ones (type 4) plain added tokens, both matched whole in the text, under their own ids. BOS/EOS
+        are prepended/appended only when the file's ``add_bos_token``/``add_eos_token`` flag says so.
+
+    Raises
+    ------
+    UnsupportedTokenizer
+        When the file has no tokenizer or one other than byte-level BPE (``"gpt2"``).
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedTokenizer(f"GGUF tokenizer model {kind!r} cannot be rebuilt; supported: ['gpt2'] "
+                                   "(byte-level BPE). Encode text elsewhere and pass token ids")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if key not in meta:
+            raise UnsupportedTokenizer(f"GGUF byte-level BPE tokenizer lacks {key!r}; the file is incomplete")
+    return Tokenizer.from_str(json.dumps(tokenizer_document(meta)))
+
+
+def tokenizer_document(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer.json`` document (as a dict) equivalent to the file's byte-level BPE tokenizer."""
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {byte_level_spelling(token): index for index, token in enumerate(tokens)}
+    added = [{"id": index, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": kind == CONTROL}
+             for index, (token, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default"))),
+        "post_processor": _post_processor(meta, tokens),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": [_merge_pair(m) for m in meta["tokenizer.ggml.merges"]]},
+    }
+
+
+def _merge_pair(merge: str) -> list[str]:
+    # byte-level tokens spell a space as "Ġ", so the one real space separates the pair
+    pair = merge.split(" ")
+    if len(pair) != 2:
+        raise ValueError(f"GGUF merge {merge!r} is not two tokens separated by one space; the file is malformed")
+    return pair
+
+
+def _pre_tokenizer(pre: str) -> dict[str, Any]:
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    if pre in _SPLITS:
+        split = {"type": "Split", "pattern": {"Regex": _SPLITS[pre]}, "behavior": "Isolated", "invert": False}
+        return {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
+    if pre not in _GPT2_DEFAULT:
+        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known to Tessera; splitting text with GPT-2's pattern "
+                      f"(known: {sorted(set(_SPLITS) | set(_GPT2_DEFAULT) - {''})}). Ids may differ from llama.cpp's",
+                      stacklevel=3)
+    if pre in _DIGIT_SPLIT:
+        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+    return byte_level
+
+
+def _post_processor(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
+    """A template adding BOS / EOS exactly when the file's flags ask for them (byte-level files usually don't)."""
+    single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
+    pair: list[dict] = [{"Sequence": {"id": "B", "type_id": 1}}]
+    special: dict[str, dict] = {}
+    for flag, key, at_start in (("add_bos_token", "bos_token_id", True), ("add_eos_token", "eos_token_id", False)):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if not meta.get(f"tokenizer.ggml.{flag}") or token_id is None:
+            continue
+        text = tokens[int(token_id)]
+        special[text] = {"id": text, "ids": [int(token_id)], "tokens": [text]}
+        mark_a, mark_b = ({"SpecialToken": {"id": text, "type_id": t}} for t in (0, 1))
+        single = [mark_a, *single] if at_start else [*single, mark_a]
+        pair = [mark_b, *pair] if at_start else [*pair, mark_b]
+    return {"type": "TemplateProcessing", "single": single, "pair": single + pair, "special_tokens": special}
