@@ -90,3 +90,14 @@ def test_bad_token_ids(tmp_path):
         model.logits(torch.tensor([[0, 211]]))
     with pytest.raises(TypeError, match="integer tensor"):
         model.logits(torch.zeros(1, 3))
+
+
+def test_sharded_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 9))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(load_model(tmp_path).logits(ids), ref, rtol=1e-4, atol=1e-5)
