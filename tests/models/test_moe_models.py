@@ -9,7 +9,6 @@ the positions whose float32 top-2 gap is above transformers' bf16 noise (random 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tessera.models import load_model
+from tests.models.helpers import compare_with_hf_bf16
 from tessera.models.families import by_model_type
 
 VOCAB, SEQ, BATCH = 101, 32, 2
@@ -74,27 +74,7 @@ def _compare(directory: str, hf_model: torch.nn.Module, dtype: str) -> None:
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     else:
         ids = _clean_ids(hf_model, hf_model.config.num_experts_per_tok)
-    ours = load_model(directory, dtype=dtype).logits(ids)
-    with torch.no_grad():
-        ref = hf_model(ids).logits
-    assert ours.shape == ref.shape and ours.dtype == torch.float32
-    scale = ref.abs().max()
-    err = ((ours - ref).abs().max() / scale).item()
-    if dtype == "float32":
-        assert err <= 1e-4, f"float32 logits rel error {err:.2e}"
-        return
-    with torch.no_grad():  # a copy: casting the fixture's model in place would round its float32 weights
-        ref_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)(ids).logits.float()
-    hf_err = ((ref_bf16 - ref).abs().max() / scale).item()
-    top2 = ref.topk(2, dim=-1).values
-    # positions whose top-2 gap exceeds transformers' own bf16 noise: any flip there is ours, not a near tie
-    decided = (top2[..., 0] - top2[..., 1]) / scale > 2 * hf_err
-    agree = (ours.argmax(-1) == ref_bf16.argmax(-1))[decided].float().mean().item()
-    raw = (ours.argmax(-1) == ref_bf16.argmax(-1)).float().mean().item()
-    assert err <= 2 * hf_err + 1e-3, f"bf16 rel error {err:.4f} vs transformers' own bf16 error {hf_err:.4f}"
-    assert decided.sum() >= ids.numel() // 2, f"only {int(decided.sum())} decided positions: weak test"
-    assert agree >= 0.99, f"bf16 top-1 agreement {agree:.3f} on {int(decided.sum())} decided positions"
-    assert raw >= 0.9, f"bf16 top-1 agreement {raw:.3f} over all positions"
+    compare_with_hf_bf16(directory, hf_model, dtype, ids)
 
 
 @pytest.fixture(scope="module")

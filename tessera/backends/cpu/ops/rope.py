@@ -10,35 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import njit, prange, types
-from numba.core.extending import intrinsic, overload
+from numba.core.extending import overload
 
 from tessera.backends.cpu.decode import storage_view
+from tessera.backends.cpu.ops._narrow import _f32_to_bits as _f32_bits
+from tessera.backends.cpu.ops._narrow import _f32_to_half_bits
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.kernels.rope import RotaryEmbedding
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """Reinterpret a float32 as uint32 (a register move)."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _f32_to_half_bits(typingctx, x):
-    """Round a float32 to IEEE half (F16C on x86), as int16 bits."""
-    sig = types.int16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
 
 
 def _narrow(x, out):  # pragma: no cover - replaced by the overload inside jitted code
