@@ -52,8 +52,12 @@ def layer_spec(config: ModelConfig, layer: int) -> AttentionSpec:
 
 
 def attention_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, positions: torch.Tensor,
-                    ropes: dict, batch: int, seq: int, backend: str) -> torch.Tensor:
-    """Self-attention of layer ``i`` over a dense batch ``[batch * seq, hidden]`` (no KV cache)."""
+                    ropes: dict, attend, backend: str) -> torch.Tensor:
+    """Self-attention of layer ``i`` for tokens ``h [T, hidden]`` at ``positions [T]``.
+
+    ``attend(i, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]`` does the attention itself: over the
+    dense batch (:func:`dense_attend`) or over a paged KV cache after storing k and v (``tessera.models.paged``).
+    """
     p = f"layers.{i}"
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     qkv = linear(h, w[f"{p}.qkv.weight"], w.get(f"{p}.qkv.bias"), backend)
@@ -66,9 +70,20 @@ def attention_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, po
     if ropes:
         q, k = q.contiguous(), k.contiguous()
         K.apply_rope(q, k, positions, ropes[config.layer_rope[i]], backend=backend)
-    out = attention(q.view(batch, seq, hq, d), k.view(batch, seq, hkv, d), v.reshape(batch, seq, hkv, d),
-                    layer_spec(config, i), backend=backend)
-    return linear(out.reshape(batch * seq, hq * d), w[f"{p}.o.weight"], w.get(f"{p}.o.bias"), backend)
+    out = attend(i, q, k, v.contiguous())
+    return linear(out.reshape(-1, hq * d), w[f"{p}.o.weight"], w.get(f"{p}.o.bias"), backend)
+
+
+def dense_attend(config: ModelConfig, batch: int, seq: int, backend: str):
+    """Attention over a dense batch of ``batch`` sequences of ``seq`` tokens each (no cache)."""
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = attention(q.view(batch, seq, hq, d), k.view(batch, seq, hkv, d), v.view(batch, seq, hkv, d),
+                        layer_spec(config, i), backend=backend)
+        return out.view(-1, hq, d)
+
+    return attend
 
 
 def mlp_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, backend: str) -> torch.Tensor:
@@ -109,19 +124,29 @@ def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, bac
     the final-normed output of the last layer.
     """
     batch, seq = token_ids.shape
-    ids = token_ids.reshape(-1)
-    dtype = w["embed"].dtype
     positions = torch.arange(seq, dtype=torch.int64).repeat(batch)
+    collect = [] if hidden_states is not None else None
+    h = decoder(config, w, token_ids.reshape(-1), positions, rope_tables(config, seq),
+                dense_attend(config, batch, seq, backend), backend, collect)
+    if hidden_states is not None:
+        hidden_states.extend(t.view(batch, seq, -1) for t in collect)
+    head = w.get("lm_head", w["embed"])
+    return K.lm_head(h, head, softcap=config.final_softcap, backend=backend).view(batch, seq, -1)
+
+
+def decoder(config: ModelConfig, w: Weights, ids: torch.Tensor, positions: torch.Tensor, ropes: dict, attend,
+            backend: str, hidden_states: list | None = None) -> torch.Tensor:
+    """All layers for tokens ``ids [T]`` at ``positions [T]``; returns the final-normed hidden states ``[T, H]``."""
+    dtype = w["embed"].dtype
     scale = K.gemma_embed_scale(config.hidden_size, dtype) if config.embed_scale else None
     x = K.embed(ids, w["embed"], scale=scale, backend=backend)
     if config.learned_positions:
         x = x + w["pos_embed"][positions]
-    ropes = rope_tables(config, seq)
     if hidden_states is not None:
-        hidden_states.append(x.view(batch, seq, -1))
+        hidden_states.append(x)
     h, x = norm(config, x, w, "layers.0.attn_norm", backend=backend)
     for i in range(config.num_layers):
-        a = attention_block(config, w, i, h, positions, ropes, batch, seq, backend)
+        a = attention_block(config, w, i, h, positions, ropes, attend, backend)
         if config.post_norms:
             a, _ = norm(config, a, w, f"layers.{i}.post_attn_norm", backend=backend)
         h, x = norm(config, a, w, f"layers.{i}.mlp_norm", residual=x, backend=backend)
@@ -132,10 +157,8 @@ def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, bac
         h, x = norm(config, m, w, following, residual=x, backend=backend)
         if hidden_states is not None:
             # Hugging Face's convention: the residual stream after each layer, but the last entry after the final norm
-            hidden_states.append((x if i + 1 < config.num_layers else h).view(batch, seq, -1))
-    head = w.get("lm_head", w["embed"])
-    logits = K.lm_head(h, head, softcap=config.final_softcap, backend=backend)
-    return logits.view(batch, seq, -1)
+            hidden_states.append(x if i + 1 < config.num_layers else h)
+    return h
 
 
 def default_query_scale(head_dim: int) -> float:

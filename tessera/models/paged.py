@@ -1,0 +1,99 @@
+"""One engine step of a model over a paged KV cache: new tokens of many sequences, any mix of phases.
+
+A :class:`StepBatch` holds the new tokens of every scheduled sequence (a prompt chunk, a decode token, or draft tokens
+to verify), their positions and cache slots, and each sequence's page table. :func:`forward_step` runs the shared
+decoder (``layers.decoder``) with an ``attend`` that stores the new K/V into their slots and runs one attention plan
+per distinct layer spec, planned once for the step and reused by every layer with that spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera import kernels as K
+from tessera.attention import plan
+from tessera.kv import PagedKVCache
+from tessera.models.layers import decoder, layer_spec, rope_tables
+from tessera.models.model import Model
+
+
+@dataclass
+class StepBatch:
+    """The new tokens of one step, sequence by sequence.
+
+    Attributes
+    ----------
+    token_ids : int64 ``[T]``, the new tokens of sequence 0, then sequence 1, ...
+    q_lens : new tokens per sequence (``sum = T``)
+    kv_lens : tokens each sequence has in the cache after this step (its new tokens are the last ``q_lens[s]``)
+    page_table : int32 ``[num_seqs, max_pages]``
+    slots : int64 ``[T]``, the cache slot of each new token (``page_table[s, pos // page] * page + pos % page``)
+    """
+
+    token_ids: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_table: torch.Tensor
+    slots: torch.Tensor
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every new token, int64 ``[T]``."""
+        parts = [torch.arange(kl - ql, kl, dtype=torch.int64) for ql, kl in zip(self.q_lens, self.kv_lens)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def validate(self) -> None:
+        t = int(self.token_ids.numel())
+        if sum(self.q_lens) != t or int(self.slots.numel()) != t:
+            raise ValueError(f"StepBatch: {t} token ids, {int(self.slots.numel())} slots and sum(q_lens) = "
+                             f"{sum(self.q_lens)} must agree")
+        if len(self.q_lens) != len(self.kv_lens) or self.page_table.shape[0] != len(self.q_lens):
+            raise ValueError("StepBatch: q_lens, kv_lens and page_table rows must have one entry per sequence")
+
+
+def slots_for(page_table_row: list[int] | torch.Tensor, positions: range | list[int], page_size: int) -> list[int]:
+    """Cache slots of ``positions`` for a sequence with page table row ``page_table_row``."""
+    row = [int(p) for p in page_table_row]
+    return [row[p // page_size] * page_size + p % page_size for p in positions]
+
+
+def new_cache(model: Model, num_pages: int, page_size: int) -> PagedKVCache:
+    """A page pool shaped for ``model`` in its dtype."""
+    c = model.config
+    return PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+
+
+@torch.no_grad()
+def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False) -> torch.Tensor:
+    """Run one step; return float32 logits of each sequence's last new token ``[num_seqs, vocab]``.
+
+    With ``all_logits=True`` it returns the logits of every new token ``[T, vocab]`` (speculative verification,
+    prompt logprobs). Sequences with ``q_len = 0`` are skipped (their row is absent from the result).
+    """
+    step.validate()
+    config, w, backend = model.config, model.weights, model.backend
+    if step.token_ids.numel() == 0:
+        return torch.zeros(0, config.vocab_size)
+    plans: dict[object, object] = {}
+
+    def spec_key(i: int) -> object:
+        return config.layer_windows[i]  # everything else in a layer's spec is the same on every layer
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.write(i, k, v, step.slots)
+        key = spec_key(i)
+        if key not in plans:
+            plans[key] = plan(layer_spec(config, i), step.q_lens, step.kv_lens, step.page_table, cache.page_size,
+                              backend=backend)
+        return plans[key].run(q, cache.k_pages[i], cache.v_pages[i])
+
+    positions = step.positions
+    ropes = rope_tables(config, max(step.kv_lens))
+    h = decoder(config, w, step.token_ids.long(), positions, ropes, attend, backend)
+    if not all_logits:
+        ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0])
+        h = h[ends]
+    head = w.get("lm_head", w["embed"])
+    return K.lm_head(h.contiguous(), head, softcap=config.final_softcap, backend=backend)
