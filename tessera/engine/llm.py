@@ -1,0 +1,186 @@
+"""``LLM``: load a model, then ``generate`` many prompts with continuous batching over a paged KV cache."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.engine.params import RequestOutput, SamplingParams
+from tessera.engine.runner import Runner
+from tessera.engine.scheduler import Scheduler
+from tessera.engine.sequence import Sequence
+from tessera.kv import BlockManager
+from tessera.models.model import Model, load_model
+from tessera.models.paged import new_cache
+
+Prompt = str | list[int]
+DEFAULT_KV_CACHE_MEMORY = 256 * 2**20
+
+
+class LLM:
+    """An offline inference engine: a model, its paged KV cache, a scheduler and a runner.
+
+    Parameters
+    ----------
+    model : a checkpoint path (GGUF file or Hugging Face directory), an already loaded :class:`Model`, or None for
+        SmolLM2-135M-Instruct.
+    dtype, backend : as :func:`tessera.models.load_model` (ignored for a loaded model).
+    max_num_seqs : sequences running at once at most.
+    max_num_batched_tokens : new tokens per step at most (prompt chunks are cut to fit: chunked prefill).
+    page_size : tokens per KV page.
+    num_pages : KV pages; None derives it from ``kv_cache_memory`` (capped at what ``max_num_seqs`` full-length
+        sequences could use).
+    kv_cache_memory : bytes for K and V of all layers when ``num_pages`` is None.
+    enable_prefix_caching : reuse the KV of full pages shared with earlier prompts.
+
+    Examples
+    --------
+    >>> llm = LLM()
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
+    >>> out[0].text, out[0].finish_reason
+    """
+
+    def __init__(self, model: str | Path | Model | None = None, dtype: str = "float32", backend: str = "auto",
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 512, page_size: int = 16,
+                 num_pages: int | None = None, kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
+                 enable_prefix_caching: bool = True) -> None:
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, backend=backend)
+        self.max_len = self.model.config.max_position
+        if num_pages is None:
+            num_pages = self._pages_for(kv_cache_memory, page_size, max_num_seqs)
+        self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+        self.cache = new_cache(self.model, num_pages, page_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = Runner(self.model, self.cache, self.block_manager)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    def _pages_for(self, memory: int, page_size: int, max_num_seqs: int) -> int:
+        c = self.model.config
+        per_page = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * self.model.dtype.itemsize
+        wanted = max_num_seqs * math.ceil(self.max_len / page_size)
+        pages = min(memory // per_page, wanted)
+        if pages < 1:
+            raise ValueError(f"LLM: kv_cache_memory={memory} bytes holds no KV page ({per_page} bytes each); "
+                             "give more memory or pass num_pages")
+        return int(pages)
+
+    # ------------------------------------------------------------------------------------------- requests
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in prompt order.
+
+        Parameters
+        ----------
+        prompts : strings (tokenized with the model's tokenizer) or lists of token ids.
+        params : one :class:`SamplingParams` for all, one per prompt, or None (defaults).
+
+        Raises
+        ------
+        ValueError
+            A bad request (empty prompt, unknown token ids, prompt too long, params list of the wrong length);
+            the message names the prompt's index. Nothing runs when any request is bad.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("generate: prompts must be a list of prompts; wrap a single prompt in a list")
+        seqs = self._make_sequences(prompts, params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        try:
+            while any(not s.is_finished for s in seqs):
+                self.step()
+        finally:
+            for seq in seqs:  # an error mid-run must not leave pages held by a dead request
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+        return [s.output() for s in seqs]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it grows (whole characters; stop strings never show).
+
+        Text that could still turn out to be the start of a stop string is held back until it cannot.
+        """
+        (seq,) = self._make_sequences([prompt], params)
+        self.scheduler.add(seq)
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        sent = 0
+        try:
+            while not seq.is_finished:
+                self.step()
+                safe = len(seq.text) if seq.is_finished else max(sent, len(seq.text) - hold)
+                if safe > sent:
+                    yield seq.text[sent:safe]
+                    sent = safe
+        finally:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Render conversation(s) with the model's chat template (``add_generation_prompt=True``) and generate."""
+        from tessera.engine.chat import render_chat
+
+        if self.model.chat_template is None:
+            raise ValueError("chat: the model has no chat template; use generate with a rendered prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(self.model.chat_template, conv) for conv in conversations]
+        return self.generate(prompts, params)
+
+    def step(self) -> list[Sequence]:
+        """One engine step: schedule, run, sample, update; returns the sequences that finished."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            raise RuntimeError("LLM.step: requests are waiting but none could be scheduled: the KV cache is too "
+                               "small for the next request; give LLM more num_pages")
+        return self.scheduler.update(out, self.runner.execute(out))
+
+    # ---------------------------------------------------------------------------------------- validation
+    def _make_sequences(self, prompts: Seq[Prompt], params) -> list[Sequence]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"generate: got {len(prompts)} prompts but {len(params)} SamplingParams; pass one "
+                             "SamplingParams for all or one per prompt")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"request {i}: params must be tessera.engine.SamplingParams, got {type(p).__name__}")
+            ids = self._check_prompt(i, prompt, p)
+            generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            seqs.append(Sequence(next(self._ids), ids, p, self.model.config.eos_token_ids, self.max_len,
+                                 self.tokenizer, generator, request_id=i))
+        return seqs
+
+    def _check_prompt(self, i: int, prompt: Prompt, p: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {i}: a text prompt needs a tokenizer and this model has none; pass "
+                                 "token ids instead")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError(f"request {i}: the prompt is empty; a prompt needs at least 1 token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {i}: token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"request {i}: the prompt has {len(ids)} tokens but the context holds {self.max_len}, "
+                             f"leaving no room to generate; shorten the prompt to at most {self.max_len - 1}")
+        bm = self.block_manager
+        need = math.ceil(min(len(ids) + p.max_tokens, self.max_len) / bm.page_size)
+        if need > bm.num_pages:
+            raise ValueError(f"request {i}: prompt + max_tokens need {need} KV pages but the cache has "
+                             f"{bm.num_pages}; lower max_tokens or give LLM more num_pages")
+        return ids

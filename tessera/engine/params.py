@@ -1,0 +1,78 @@
+"""What a request asks for (:class:`SamplingParams`) and what it gets back (:class:`RequestOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.kernels.sampling import SamplingParams as KernelSamplingParams
+
+
+@dataclass(slots=True)
+class SamplingParams(KernelSamplingParams):
+    """The sampler's parameters plus when to stop and what to report (vLLM names).
+
+    Attributes
+    ----------
+    temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed :
+        As :class:`tessera.kernels.sampling.SamplingParams` (temperature 0 = greedy).
+    max_tokens : int >= 1; generated tokens at most (finish_reason "length").
+    stop : strings that end generation when they appear in the text; the stop string is trimmed from the text.
+    stop_token_ids : token ids that end generation (besides the model's EOS unless ``ignore_eos``); the token is
+        kept in ``token_ids`` but not in the text.
+    ignore_eos : keep generating past the model's EOS tokens.
+    logprobs : report the sampled token's log-probability at each step.
+
+    Examples
+    --------
+    >>> SamplingParams(temperature=0.0, max_tokens=32, stop=["\\n\\n"])
+    """
+
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        KernelSamplingParams.__post_init__(self)  # zero-arg super() breaks in slotted dataclasses
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # a lone string is a common slip; it means one stop string
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One finished (or, while streaming, in-progress) request.
+
+    Attributes
+    ----------
+    request_id : index of the prompt in the ``generate`` call.
+    prompt_tokens : the prompt's token ids.
+    token_ids : generated token ids only (a stop token id is included, a stop string's tokens too).
+    text : detokenized generated text, stop string trimmed ("" when the model has no tokenizer).
+    finish_reason : "stop" (EOS, stop token or stop string), "length" (max_tokens or context full), or None.
+    logprobs : log-probability of each generated token under the distribution it was drawn from (if asked).
+    num_cached_tokens : prompt tokens served from the prefix cache at the first admission.
+    num_preemptions : times the request was preempted and recomputed.
+    time_to_first_token, latency : seconds from arrival to the first token and to the finish.
+    """
+
+    request_id: int
+    prompt_tokens: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    time_to_first_token: float | None = None
+    latency: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,66 @@
+"""Runner: one scheduled step -> page copies, a :class:`StepBatch`, ``forward_step``, and the sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.engine.scheduler import SchedulerOutput
+from tessera.kernels.sampling import sample
+from tessera.kv import BlockManager, PagedKVCache
+from tessera.models.model import Model
+from tessera.models.paged import StepBatch, forward_step
+
+
+class Runner:
+    """Runs the model over the paged cache for the work the scheduler picked.
+
+    Parameters
+    ----------
+    model : the loaded model.
+    cache : its KV page pool (``new_cache(model, num_pages, page_size)``).
+    block_manager : the allocator whose page ids index ``cache`` (slots and page tables come from it).
+    """
+
+    def __init__(self, model: Model, cache: PagedKVCache, block_manager: BlockManager) -> None:
+        self.model, self.cache, self.block_manager = model, cache, block_manager
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: page ``src`` -> ``dst`` in every layer's K and V, in the order given."""
+        for src, dst in copies:
+            for pages in (*self.cache.k_pages, *self.cache.v_pages):
+                pages[dst].copy_(pages[src])
+
+    def build_batch(self, out: SchedulerOutput) -> StepBatch:
+        """The step's new tokens, positions' slots and page tables, sequence by sequence."""
+        bm = self.block_manager
+        ids: list[int] = []
+        slots: list[int] = []
+        q_lens, kv_lens, tables = [], [], []
+        for item in out.scheduled:
+            end = item.start + item.num_new
+            ids += item.seq.token_ids[item.start:end]
+            slots += bm.slot_mapping(item.seq.seq_id, item.start, end)
+            q_lens.append(item.num_new)
+            kv_lens.append(end)
+            tables.append(bm.page_table(item.seq.seq_id))
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return StepBatch(torch.tensor(ids, dtype=torch.int64), q_lens, kv_lens, table,
+                         torch.tensor(slots, dtype=torch.int64))
+
+    def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float]]:
+        """Run one step; return ``seq_id -> (token id, logprob)`` for each sequence that reached its end."""
+        if not out.scheduled:
+            return {}
+        self.copy_pages(out.page_copies)
+        logits = forward_step(self.model, self.cache, self.build_batch(out))
+        rows = [r for r, item in enumerate(out.scheduled) if item.samples]
+        if not rows:
+            return {}
+        seqs = [out.scheduled[r].seq for r in rows]
+        ids, logprobs = sample(
+            logits[rows], [s.params for s in seqs],
+            token_counts=[s.token_ids if s.params.has_penalties else None for s in seqs],
+            generators=[s.generator for s in seqs], backend=self.model.backend,
+        )
+        return {s.seq_id: (int(t), float(lp)) for s, t, lp in zip(seqs, ids.tolist(), logprobs.tolist())}

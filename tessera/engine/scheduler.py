@@ -1,0 +1,180 @@
+"""Continuous batching: which sequences run this step and how many of their tokens (plain Python, no torch)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tessera.engine.sequence import Sequence, Status
+from tessera.kv.block_manager import BlockManager
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """``num_new`` tokens of ``seq`` starting at position ``start`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's end, so its last logits give the next token."""
+        return self.start + self.num_new == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: decodes first, then prompt chunks; page copies to do before the forward (in order)."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and preemption by recompute.
+
+    Every step, within a budget of ``max_num_batched_tokens`` new tokens:
+
+    1. each running sequence that has sampled a token gets one decode slot (oldest first). When the pages run out,
+       the youngest running sequence is preempted: its pages are freed and it goes back to the front of the waiting
+       queue, keeping its generated tokens, which are recomputed as part of its prompt on readmission;
+    2. running sequences part-way through their prompt get their next chunk;
+    3. waiting sequences are admitted in arrival order while pages, the budget and ``max_num_seqs`` allow (not in a
+       step that preempted: the freed pages go to the running sequences first).
+
+    Parameters
+    ----------
+    block_manager : the KV page allocator (the scheduler is its only user).
+    max_num_seqs : running sequences at most.
+    max_num_batched_tokens : new tokens per step at most (decode tokens count 1 each).
+
+    Examples
+    --------
+    >>> sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    >>> sched.add(seq)
+    >>> out = sched.schedule()          # run out.scheduled through the model ...
+    >>> sched.update(out, {seq.seq_id: (token, logprob)})
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Scheduler: {name} must be an int >= 1, got {value!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is the youngest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (FCFS)."""
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is and free its pages."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+
+    # ---------------------------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; reserves the pages it needs."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_decodes(out, budget)
+        budget = self._schedule_prefill_chunks(out, budget)
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or bm.num_tokens(seq.seq_id) == seq.num_tokens:
+                continue  # preempted above, or still in its prompt (no sampled token waiting for a slot)
+            while seq.status is Status.RUNNING and not bm.can_append(seq.seq_id, 1):
+                self._preempt(self.running[-1], out)
+            if seq.status is not Status.RUNNING:
+                break  # it was the youngest: everything after it is preempted too
+            out.page_copies += bm.append(seq.seq_id, [seq.output_ids[-1]])
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, 1))
+            budget -= 1
+        return budget
+
+    def _schedule_prefill_chunks(self, out: SchedulerOutput, budget: int) -> int:
+        decoding = {item.seq.seq_id for item in out.scheduled}
+        for seq in self.running:
+            if budget == 0:
+                break
+            # a sequence with a sampled token not yet given a slot (decode skipped: budget) is no prompt chunk
+            in_prompt = self.block_manager.num_tokens(seq.seq_id) == seq.num_tokens
+            if seq.seq_id not in decoding and in_prompt and seq.num_uncomputed > 0:
+                n = min(seq.num_uncomputed, budget)
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq.token_ids):
+                break  # FCFS: a later, smaller request does not jump the queue
+            self.waiting.popleft()
+            result = bm.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed = result.num_cached_tokens
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = result.num_cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    # ------------------------------------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
+        """Record the forward's results; returns the sequences that finished this step.
+
+        Parameters
+        ----------
+        out : this step's :meth:`schedule` result, after the forward wrote the KV of every scheduled token.
+        sampled : ``seq_id -> (token id, logprob)`` for each scheduled sequence whose chunk reached its end.
+        """
+        finished = []
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed = item.start + item.num_new
+            self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
+            if not item.samples:
+                continue
+            seq.append_token(*sampled[seq.seq_id])
+            if seq.is_finished:
+                self.running.remove(seq)
+                self.block_manager.free(seq.seq_id)
+                finished.append(seq)
+        return finished

@@ -1,0 +1,110 @@
+"""One request's state through the engine: its tokens, how many have KV in the cache, its sampler and its text."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from tessera.engine.detokenizer import Detokenizer, find_stop
+from tessera.engine.params import RequestOutput, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request: prompt, generated tokens, progress through the KV cache, and finish state.
+
+    ``num_computed`` counts the leading tokens of :attr:`token_ids` whose KV is in the cache. A preempted sequence
+    drops to 0 and, on readmission, recomputes prompt *and* generated tokens as one prompt, so it continues exactly
+    where it stopped. The torch generator of a seeded request lives here, so its draws never depend on the batch.
+
+    Parameters
+    ----------
+    seq_id : int, unique in the engine (the request's index in its ``generate`` call).
+    prompt_ids : the prompt's token ids (non-empty).
+    params : the request's :class:`SamplingParams`.
+    eos_token_ids : ids that end generation unless ``params.ignore_eos``.
+    max_len : the context length; generation stops ("length") when the sequence reaches it.
+    tokenizer : for the text; None leaves ``text`` empty.
+    generator : the request's own torch.Generator (seeded requests), or None for torch's default stream.
+    request_id : what :class:`RequestOutput` reports (the prompt's index in its call); defaults to ``seq_id``.
+    """
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...],
+                 max_len: int, tokenizer: Any = None, generator: Any = None, request_id: int | None = None) -> None:
+        self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.num_cached_tokens: int | None = None  # prefix hits at the first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.generator = generator
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._max_len = max_len
+        self._detok = Detokenizer(tokenizer, self.prompt_ids)
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then generated tokens: what the KV cache must hold."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        """Record a sampled token, extend the text, and decide whether the request is done."""
+        now = time.perf_counter()
+        self.first_token_time = self.first_token_time or now
+        self.output_ids.append(token_id)
+        if self.params.logprobs:
+            self.logprobs.append(logprob)
+        if token_id in self._stop_ids:
+            self._finish("stop", now)
+            return
+        delta = self._detok.step(token_id)
+        self.text += delta
+        at = find_stop(self.text, self.params.stop, len(delta)) if delta and self.params.stop else None
+        if at is not None:
+            self.text = self.text[:at]
+            self._finish("stop", now)
+        elif len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self._max_len:
+            self._finish("length", now)
+
+    def _finish(self, reason: str, now: float) -> None:
+        self.finish_reason, self.status, self.finish_time = reason, Status.FINISHED, now
+
+    def output(self) -> RequestOutput:
+        """A snapshot of the request as a :class:`RequestOutput`."""
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        latency = None if self.finish_time is None else self.finish_time - self.arrival_time
+        return RequestOutput(
+            request_id=self.request_id, prompt_tokens=list(self.prompt_ids), token_ids=list(self.output_ids),
+            text=self.text, finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.params.logprobs else None,
+            num_cached_tokens=self.num_cached_tokens or 0, num_preemptions=self.num_preemptions,
+            time_to_first_token=ttft, latency=latency,
+        )
