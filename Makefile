@@ -18,6 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/tessera info
+	$(BIN)/tessera generate "Explain in two sentences why the sky is blue." --chat --max-tokens 64
 	$(BIN)/python benchmarks/attention_cpu.py --quick
 
 test: $(STAMP)

@@ -59,6 +59,7 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = Runner(self.model, self.cache, self.block_manager)
         self._ids = itertools.count()
+        self.last_output: RequestOutput | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -107,7 +108,9 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it grows (whole characters; stop strings never show).
 
-        Text that could still turn out to be the start of a stop string is held back until it cannot.
+        Text that could still turn out to be the start of a stop string is held back until it cannot. When the
+        generator is exhausted, ``self.last_output`` holds the finished request's :class:`RequestOutput` (token ids,
+        timings), e.g. for the tokens/s line of ``tessera generate``.
         """
         (seq,) = self._make_sequences([prompt], params)
         self.scheduler.add(seq)
@@ -120,6 +123,7 @@ class LLM:
                 if safe > sent:
                     yield seq.text[sent:safe]
                     sent = safe
+            self.last_output = seq.output()
         finally:
             if not seq.is_finished:
                 self.scheduler.abort(seq)

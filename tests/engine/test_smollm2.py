@@ -76,3 +76,12 @@ def test_abandoned_stream_frees_its_pages(llm):
     stream.close()
     assert not llm.scheduler.has_unfinished()
     assert llm.block_manager.num_free_pages == llm.block_manager.num_pages
+
+
+def test_cli_generate_streams_and_reports_speed(capsys):
+    from tessera.cli import main
+
+    assert main(["generate", "What is 2+2?", "--chat", "--max-tokens", "6"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()  # some text was streamed
+    assert "prefill" in captured.err and "decode" in captured.err and "tok/s" in captured.err
