@@ -76,7 +76,8 @@ def test_lm_head_leading_dims_and_mixed_dtypes(backend, gen):
 
 def test_cpu_lm_head_widens_the_table_in_chunks(monkeypatch, gen):
     monkeypatch.setattr(cpu_embedding, "VOCAB_CHUNK_BYTES", 4 * 24 * 7)  # 7 rows per chunk: 6 chunks, a short last
-    table, hidden = _table(gen, 40, 24, torch.bfloat16), torch.randn(3, 24, generator=gen).bfloat16()
+    # 11 rows: more than the GEMV path takes (M <= 8), so the chunked widening path runs
+    table, hidden = _table(gen, 40, 24, torch.bfloat16), torch.randn(11, 24, generator=gen).bfloat16()
     logits = lm_head(hidden, table, softcap=5.0, backend="cpu")
     assert_close_to_oracle(logits, lm_head_f64(hidden, table, 5.0), torch.float32, "chunked lm_head")
 

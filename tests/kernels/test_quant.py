@@ -149,6 +149,33 @@ def test_matmul_matches_oracle(backend: str, dtype: torch.dtype, m: int, gen: to
     assert_close_to_oracle(out, matmul_f64(x, w), dtype, f"{backend} matmul m={m}", reduction=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8, 9])
+@pytest.mark.parametrize("n,k", [(37, 75), (4099, 2051)])
+def test_cpu_matmul_gemv_paths(dtype: torch.dtype, m: int, n: int, k: int, gen: torch.Generator) -> None:
+    """cpu float matmul: the Numba GEMV (M <= 8; serial for the small shape, parallel for the large one, row tails
+    not a multiple of 4 or of the block) and BLAS (M = 9), against the oracle; the lm_head reuses the GEMV."""
+    from tessera.backends.cpu.ops import quant as cpu_quant
+    from tessera.kernels.embedding import lm_head
+
+    assert (m * n * k < cpu_quant.SERIAL_WORK) == (n == 37)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    out = Q.matmul(x, w, backend="cpu")
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close_to_oracle(out, matmul_f64(x, w), dtype, f"cpu matmul {n}x{k} m={m}", reduction=True)
+    logits = lm_head(x, w, backend="cpu")
+    assert logits.dtype == torch.float32
+    assert_close_to_oracle(logits, matmul_f64(x, w), torch.float32, f"cpu lm_head {n}x{k} m={m}", reduction=True)
+
+
+def test_cpu_matmul_keeps_autograd(gen: torch.Generator) -> None:
+    x = torch.randn(1, 16, generator=gen, requires_grad=True)
+    w = torch.randn(8, 16, generator=gen)
+    Q.matmul(x, w, backend="cpu").sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0, keepdim=True))
+
+
 @pytest.mark.parametrize("name,fmt", [("Q4_0", "int4"), ("Q4_1", "int4_min"), ("Q8_0", "int8")])
 def test_from_gguf_matches_gguf_dequantize(name: str, fmt: str, gen: torch.Generator) -> None:
     gguf = pytest.importorskip("gguf")

@@ -2,12 +2,15 @@
 
 The LM head must accumulate in float32 and return float32 logits; torch's CPU matmul has no ``out_dtype``, so a
 bf16/fp16 table is widened ``VOCAB_CHUNK_BYTES`` at a time (the widened chunk stays in L2/L3 while the GEMM reads it)
-instead of copying the whole table to float32 per call.
+instead of copying the whole table to float32 per call. Up to ``quant.SMALL_M`` rows (decode) the quant family's
+Numba GEMV reads the table once in its own dtype instead (fp32 accumulation; 2x torch's fp32 GEMV at 49152 x 576).
 """
 
 from __future__ import annotations
 
 import torch
+
+from tessera.backends.cpu.ops import quant
 
 #: float32 bytes of one widened table chunk
 VOCAB_CHUNK_BYTES = 2 << 20
@@ -28,7 +31,9 @@ def lm_head(hidden, table, softcap):
     h = hidden.detach().reshape(-1, hidden.shape[-1]).to(torch.float32)
     vocab, width = table.shape
     logits = torch.empty(h.shape[0], vocab, dtype=torch.float32)
-    if table.dtype == torch.float32:
+    if 0 < h.shape[0] <= quant.SMALL_M and table.dtype in quant._GEMV_VIEW:
+        logits = quant.gemv(h, table)
+    elif table.dtype == torch.float32:
         torch.matmul(h, table.T, out=logits)
     else:
         rows = max(1, VOCAB_CHUNK_BYTES // (4 * width))

@@ -1,5 +1,9 @@
 """cpu backend of the quant family: Numba GEMV kernels for decode shapes, dequantize-and-BLAS for the rest.
 
+Float ``matmul`` up to :data:`SMALL_M` rows of x runs :mod:`._gemv` (fp32, or bf16/fp16 weights widened in
+registers; fp32 accumulation), on one thread below :data:`SERIAL_WORK` multiply-adds and over all threads above;
+larger M goes to torch/BLAS.
+
 Up to :data:`SMALL_M` rows of x the packed weights are streamed once by :mod:`._quant_kernels` (memory-bound; the
 weight bytes are the traffic). Above it the matmul is compute-bound and BLAS wins: the weight is dequantized in
 blocks of :data:`TILE_N` rows (a few MiB, so it stays in cache and the full float matrix is never held) and each
@@ -10,12 +14,32 @@ from __future__ import annotations
 
 import torch
 
+from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import _quant_kernels as kernels
 from tessera.backends.reference.ops.quant import dequantize_in, quantize_in
 from tessera.kernels.quant import QuantizedWeight
 
 SMALL_M = 8
 TILE_N = 512
+#: below this many multiply-adds (M * N * K) the float GEMV runs on the calling thread: waking the thread pool
+#: (~50 us) costs more than splitting the read saves (576 x 576 and 1536 x 576 at M = 1 are faster serial)
+SERIAL_WORK = 1 << 23
+#: weight dtypes the float GEMV reads directly, as the numpy dtype of their storage
+_GEMV_VIEW = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 ``x @ w.T`` for x float32 ``[M, K]`` (M <= SMALL_M) and w float32/bf16/fp16 ``[N, K]`` (fp32
+    accumulation; also used by the cpu ``lm_head``)."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0 or n == 0 or k == 0:
+        return out.zero_()
+    xn = x.detach().float().contiguous().numpy()
+    wn = w.detach().contiguous().view(_GEMV_VIEW[w.dtype]).numpy()
+    (float_gemv.gemv_serial if m * n * k < SERIAL_WORK else float_gemv.gemv)(xn, wn, out.numpy())
+    return out
 
 
 def quantize(w: torch.Tensor, fmt: str, group_size: int) -> QuantizedWeight:
@@ -27,6 +51,10 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # the Numba path has no autograd and wants a row-major weight; anything else keeps torch's semantics
+    if (x.shape[0] <= SMALL_M and w.dtype in _GEMV_VIEW and w.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return gemv(x, w).to(x.dtype)
     if x.dtype == torch.float32:
         return x @ w.T
     # half-precision BLAS paths differ across CPUs in how they accumulate; widening makes fp32 accumulation certain
