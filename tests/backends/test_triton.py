@@ -34,6 +34,7 @@ from tessera.attention import (
 from tessera.backends import RaggedBatch, registered
 from tessera.backends.triton import codegen
 from tessera.backends.triton.configs import Configs, LaunchConfig, interpreting
+from tessera.backends.triton.kernels import FULL_CNT, HEAD0, PART_CNT
 from tessera.backends.triton.planner import plan_launches
 from tessera.backends.triton.trace import ReturnTypeError, UntranslatableError
 from tests.attention import strategies as S
@@ -126,10 +127,10 @@ def test_causal_prefill_skips_tiles_above_the_diagonal():
     spec = AttentionSpec(4, 2, 64, mask=causal())
     (launch,) = plan_launches(spec, RaggedBatch((256,), (256,)), CONFIGS)
     # 16 tokens x 2 heads per tile: q tile i (tokens 16i..16i+15) needs kv tiles 0..i//2, the last one partial.
-    visited = launch.items[:, 8] + launch.items[:, 10]
+    visited = launch.items[:, FULL_CNT] + launch.items[:, PART_CNT]
     dense = 256 // 32
     assert visited.sum() < launch.num_items * dense * 0.6
-    assert (launch.items[:, 10] == 1).all()  # exactly the diagonal tile is masked
+    assert (launch.items[:, PART_CNT] == 1).all()  # exactly the diagonal tile is masked
 
 
 def test_decode_items_are_split_and_merged():
@@ -142,13 +143,13 @@ def test_decode_items_are_split_and_merged():
 def test_long_group_is_split_over_head_subtiles():
     spec = AttentionSpec(128, 1, 32)  # MQA: 128 heads do not fit one (at most 64-row) decode tile
     launch, = plan_launches(spec, RaggedBatch((1,), (20,)), CONFIGS)
-    assert sorted(set(launch.items[:, 4].tolist())) == [0, 64]
+    assert sorted(set(launch.items[:, HEAD0].tolist())) == [0, 64]
 
 
 # ---- running under the interpreter -----------------------------------------------------------------------------------
 
 @usable
-def test_every_output_element_is_written(gen=None):
+def test_every_output_element_is_written():
     """Poison the outputs; the kernels must overwrite every row (fused epilogue: no zero-initialised buffers)."""
     from tessera.backends.base import KVLayout
 

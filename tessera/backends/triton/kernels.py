@@ -85,6 +85,26 @@ def _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_po
 
 
 @triton.jit
+def _tile_rows(head0, n_tok, n_heads, BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
+    """Row ``r`` of a tile is token ``r // HEADS`` and query head ``head0 + r % HEADS``; unused rows are masked."""
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // HEADS
+    h = head0 + offs_m % HEADS
+    row_ok = (tok < n_tok) & (offs_m % HEADS < n_heads)
+    return offs_m, tok, h, row_ok
+
+
+@triton.jit
+def _store_rows(OUT, LSE, out, lse, q_rows, h, row_ok, offs_d, stride_ot, stride_oh, stride_lt,
+                HEAD_DIM: tl.constexpr):
+    """Write finished rows: ``out`` in OUT's dtype, ``lse`` float32."""
+    d_ok = offs_d < HEAD_DIM
+    tl.store(OUT + q_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + q_rows * stride_lt + h, lse, mask=row_ok)
+
+
+@triton.jit
 def attention_kernel(
     Q, K, V, OUT, LSE, PART_OUT, PART_LSE, SINKS, ITEMS, TILES, ROW_BASE, AUX_I, AUX_F,
     row_base_stride, block_size,
@@ -100,7 +120,7 @@ def attention_kernel(
     Writes the finished rows (``out`` in the output dtype, ``lse`` natural log, sinks folded in) or, for a split
     item, its normalized partial rows and their log2-domain lse into ``PART_OUT`` / ``PART_LSE`` slot ``SLOT``.
     """
-    item = ITEMS + tl.program_id(0) * 13
+    item = ITEMS + tl.program_id(0) * 13  # the columns of ITEMS, in the order of ITEM_FIELDS above
     seq = tl.load(item + 0)
     q_row0 = tl.load(item + 1)
     q_pos0 = tl.load(item + 2)
@@ -115,12 +135,9 @@ def attention_kernel(
     kv_len = tl.load(item + 11)
     slot = tl.load(item + 12)
 
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m, tok, h, row_ok = _tile_rows(head0, n_tok, n_heads, BLOCK_M, HEADS)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    tok = offs_m // HEADS
-    h = head0 + offs_m % HEADS
-    row_ok = (tok < n_tok) & (offs_m % HEADS < n_heads)
     q_pos = q_pos0 + tok
     q_rows = (q_row0 + tok).to(tl.int64)
     d_ok = offs_d < HEAD_DIM
@@ -156,9 +173,7 @@ def attention_kernel(
         tl.store(PART_LSE + slot_rows, lse2)
     else:
         out, lse = _finish(acc, m_i, l_i, h, SINKS, HAS_SINKS)
-        o_ptr = OUT + q_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LSE + q_rows * stride_lt + h, lse, mask=row_ok)
+        _store_rows(OUT, LSE, out, lse, q_rows, h, row_ok, offs_d, stride_ot, stride_oh, stride_lt, HEAD_DIM)
 
 
 @triton.jit
@@ -185,7 +200,7 @@ def merge_kernel(
     HEADS: tl.constexpr,
 ):
     """Combine the splits of one decode item by their lse (flash-decoding's second pass) and finish its rows."""
-    merge = MERGES + tl.program_id(0) * 6
+    merge = MERGES + tl.program_id(0) * 6  # the columns of MERGES, in the order of MERGE_FIELDS above
     q_row0 = tl.load(merge + 0)
     n_tok = tl.load(merge + 1)
     head0 = tl.load(merge + 2)
@@ -193,11 +208,8 @@ def merge_kernel(
     slot0 = tl.load(merge + 4)
     n_splits = tl.load(merge + 5)
 
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m, tok, h, row_ok = _tile_rows(head0, n_tok, n_heads, BLOCK_M, HEADS)
     offs_d = tl.arange(0, BLOCK_D)
-    tok = offs_m // HEADS
-    h = head0 + offs_m % HEADS
-    row_ok = (tok < n_tok) & (offs_m % HEADS < n_heads)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -213,11 +225,8 @@ def merge_kernel(
         acc = acc * alpha[:, None] + part * w[:, None]
         m_i = m_new
     out, lse = _finish(acc, m_i, l_i, h, SINKS, HAS_SINKS)
-    q_rows = (q_row0 + tok).to(tl.int64)
-    d_ok = offs_d < HEAD_DIM
-    tl.store(OUT + q_rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + q_rows * stride_lt + h, lse, mask=row_ok)
+    _store_rows(OUT, LSE, out, lse, (q_row0 + tok).to(tl.int64), h, row_ok, offs_d, stride_ot, stride_oh,
+                stride_lt, HEAD_DIM)
 
 
 __all__ = ["ITEM_FIELDS", "MERGE_FIELDS", "attention_kernel", "merge_kernel"]

@@ -18,7 +18,7 @@ from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import classify_tiles, tile_bounds
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.triton.configs import Configs, LaunchConfig
-from tessera.backends.triton.kernels import ITEM_FIELDS, MERGE_FIELDS
+from tessera.backends.triton.kernels import FULL_CNT, ITEM_FIELDS, MERGE_FIELDS, PART_CNT
 
 DECODE_MAX_Q = 8
 
@@ -117,7 +117,7 @@ def _build(spec: AttentionSpec, batch: RaggedBatch, seqs: list[int], cfg: Launch
 
     items_arr = np.asarray(items, dtype=np.int32).reshape(-1, ITEM_FIELDS)
     # Longest first: programs with the most kv tiles start early, the short ones fill the tail of the wave.
-    work = items_arr[:, 8] + items_arr[:, 10]
+    work = items_arr[:, FULL_CNT] + items_arr[:, PART_CNT]
     items_arr = np.ascontiguousarray(items_arr[np.argsort(-work, kind="stable")])
     return Launch(cfg, heads, items_arr, np.asarray(tiles if tiles else [0], dtype=np.int32),
                   np.asarray(merges, dtype=np.int32).reshape(-1, MERGE_FIELDS), slot)
