@@ -139,6 +139,40 @@ class LLM:
         prompts = [render_chat(self.model.chat_template, conv) for conv in conversations]
         return self.generate(prompts, params)
 
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Sequence:
+        """Validate and queue one request without running it; :meth:`step` advances it (a server's loop).
+
+        Returns its :class:`Sequence`: ``.text`` and ``.output_ids`` grow as steps run, ``.is_finished`` and
+        ``.output()`` report the end. Raises ValueError / TypeError for a bad request (nothing is queued).
+        """
+        (seq,) = self._make_sequences([prompt], params)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request now and return its KV pages (finish reason ``"abort"`` unless it had finished)."""
+        self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        """Whether any queued or running request remains (then :meth:`step` has work)."""
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict[str, float]:
+        """Engine gauges and counters: queue, running sequences, KV pages, prefix-cache hits, preemptions."""
+        bm, sched = self.block_manager, self.scheduler
+        prompt = sched.num_prompt_tokens
+        return {
+            "num_waiting": len(sched.waiting),
+            "num_running": len(sched.running),
+            "kv_pages_total": bm.num_pages,
+            "kv_pages_free": bm.num_free_pages,
+            "kv_pages_used": bm.num_pages - bm.num_free_pages,
+            "prefix_cache_queried_tokens": prompt,
+            "prefix_cache_hit_tokens": sched.num_cached_prompt_tokens,
+            "prefix_cache_hit_rate": sched.num_cached_prompt_tokens / prompt if prompt else 0.0,
+            "num_preemptions": sched.num_preemptions,
+        }
+
     def step(self) -> list[Sequence]:
         """One engine step: schedule, run, sample, update; returns the sequences that finished."""
         out = self.scheduler.schedule()

@@ -55,7 +55,8 @@ class RequestOutput:
     prompt_tokens : the prompt's token ids.
     token_ids : generated token ids only (a stop token id is included, a stop string's tokens too).
     text : detokenized generated text, stop string trimmed ("" when the model has no tokenizer).
-    finish_reason : "stop" (EOS, stop token or stop string), "length" (max_tokens or context full), or None.
+    finish_reason : "stop" (EOS, stop token or stop string), "length" (max_tokens or context full), "abort"
+        (:meth:`LLM.abort`), or None while running.
     logprobs : log-probability of each generated token under the distribution it was drawn from (if asked).
     num_cached_tokens : prompt tokens served from the prefix cache at the first admission.
     num_preemptions : times the request was preempted and recomputed.

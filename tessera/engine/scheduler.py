@@ -72,6 +72,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is the youngest
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens admitted for the first time
+        self.num_cached_prompt_tokens = 0  # of those, served from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request (FCFS)."""
@@ -82,12 +84,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is and free its pages."""
+        """Drop a request wherever it is and free its pages; an unfinished one finishes with reason ``"abort"``."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
+        if not seq.is_finished:
+            seq.abort()
 
     # ---------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -140,6 +144,8 @@ class Scheduler:
             seq.num_computed = result.num_cached_tokens
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = result.num_cached_tokens
+                self.num_prompt_tokens += len(seq.prompt_ids)
+                self.num_cached_prompt_tokens += result.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)

@@ -94,6 +94,10 @@ class Sequence:
         elif len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self._max_len:
             self._finish("length", now)
 
+    def abort(self) -> None:
+        """Finish now with reason ``"abort"`` (the scheduler frees the pages)."""
+        self._finish("abort", time.perf_counter())
+
     def _finish(self, reason: str, now: float) -> None:
         self.finish_reason, self.status, self.finish_time = reason, Status.FINISHED, now
 

@@ -18,6 +18,19 @@ def _write_slots_kernel(k_rows, v_rows, k_new, v_new, slots):  # pragma: no cove
         v_rows[row] = v_new[t]
 
 
+@njit(cache=True)
+def _write_slots_serial(k_rows, v_rows, k_new, v_new, slots):  # pragma: no cover - compiled
+    """:func:`_write_slots_kernel` on the calling thread (decode steps: waking the pool costs more than the copy)."""
+    for t in range(slots.shape[0]):
+        row = slots[t]
+        k_rows[row] = k_new[t]
+        v_rows[row] = v_new[t]
+
+
+#: fewer new K+V bytes than this are copied on the calling thread
+SERIAL_WRITE_BYTES = 1 << 18
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
     """A NumPy view Numba can copy: 16-bit floats travel as int16 bits (a copy needs no arithmetic)."""
     return t.view(torch.int16).numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
@@ -77,15 +90,21 @@ class PagedKVCache:
             if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != want or t.dtype != self.dtype:
                 raise ValueError(f"PagedKVCache.write: {name} must be [tokens, {want[0]}, {want[1]}] {self.dtype}, got "
                                  f"{list(getattr(t, 'shape', []))} {getattr(t, 'dtype', type(t).__name__)}")
-        slot_array = np.asarray(slots.tolist() if isinstance(slots, torch.Tensor) else slots, dtype=np.int64)
+        if isinstance(slots, torch.Tensor):
+            slot_array = slots.detach().to(torch.int64).numpy()
+        else:
+            slot_array = np.asarray(slots, dtype=np.int64)
         if slot_array.ndim != 1 or slot_array.shape[0] != k.shape[0] or k.shape != v.shape:
             raise ValueError(f"PagedKVCache.write: need one slot per token: {k.shape[0]} tokens (k), {v.shape[0]} (v), "
                              f"{slot_array.size} slots")
         if slot_array.size and (slot_array.min() < 0 or slot_array.max() >= self.num_slots):
             raise ValueError(f"PagedKVCache.write: slots must lie in [0, {self.num_slots}), got "
                              f"[{slot_array.min()}, {slot_array.max()}]")
-        if np.unique(slot_array).size != slot_array.size:
+        if slot_array.size > 1 and np.unique(slot_array).size != slot_array.size:
             raise ValueError("PagedKVCache.write: two tokens map to the same slot; each token needs its own slot")
         rows = (-1, self.num_kv_heads, self.head_dim)
-        _write_slots_kernel(_bits(self.k_pages[layer].view(rows)), _bits(self.v_pages[layer].view(rows)),
-                            _bits(k.contiguous()), _bits(v.contiguous()), slot_array)
+        small = 2 * k.numel() * k.element_size() < SERIAL_WRITE_BYTES
+        (_write_slots_serial if small else _write_slots_kernel)(
+            _bits(self.k_pages[layer].view(rows)), _bits(self.v_pages[layer].view(rows)),
+            _bits(k.contiguous()), _bits(v.contiguous()), slot_array,
+        )

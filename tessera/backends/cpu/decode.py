@@ -18,13 +18,21 @@ from tessera.attention.spec import AttentionSpec
 from tessera.attention.scores import Alibi, Softcap
 from tessera.attention.tiles import EMPTY, FULL, classify_tiles, resolve_partial_tile, tile_bounds
 from tessera.backends.base import KVLayout, RaggedBatch
-from tessera.backends.cpu.decode_kernel import decode_attention_kernel, merge_parts_kernel
+from tessera.backends.cpu.decode_kernel import (
+    decode_attention_kernel,
+    decode_attention_serial,
+    merge_parts_kernel,
+    merge_parts_serial,
+)
 
 DECODE_MAX_Q = 8
 SEGMENT_TILE = 256
 #: split-KV: aim for this many work items per thread, but never parts shorter than MIN_PART_KEYS keys
 ITEMS_PER_THREAD = 4
 MIN_PART_KEYS = 512
+#: below this many K+V bytes (counted as float32) a step runs on the calling thread, unsplit: waking Numba's pool
+#: costs ~60 us per kernel here, more than reading 1 MiB (a 50-token context of SmolLM2 is 75 KiB per layer)
+SERIAL_MAX_BYTES = 1 << 20
 
 
 def kernel_supports(spec: AttentionSpec) -> bool:
@@ -100,14 +108,17 @@ def _plan_sequence(
         segs.add(c, f, keep.to(torch.uint8).contiguous().numpy())
 
 
-def _split_items(segs: _Segments, seq_seg_ranges: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
-    """Cut each sequence's segments into parts of about equal key counts so every core gets work (split-KV).
+def _split_items(
+    segs: _Segments, seq_seg_ranges: list[tuple[int, int]], split: bool
+) -> tuple[np.ndarray, ...]:
+    """Cut each sequence's segments into parts of about equal key counts so every core gets work (split-KV); with
+    ``split=False`` each sequence is one item.
 
     Returns int64 arrays: per item its sequence, segment range; per sequence its item range.
     """
     lengths = np.asarray(segs.end, dtype=np.int64) - np.asarray(segs.start, dtype=np.int64)
     total = int(lengths.sum())
-    target = max(total // (ITEMS_PER_THREAD * numba.get_num_threads()), MIN_PART_KEYS)
+    target = max(total // (ITEMS_PER_THREAD * numba.get_num_threads()), MIN_PART_KEYS) if split else total + 1
     item_seq, item_lo, item_hi, seq_lo, seq_hi = [], [], [], [], []
     for s, (lo, hi) in enumerate(seq_seg_ranges):
         seq_lo.append(len(item_seq))
@@ -137,6 +148,8 @@ class DecodePlan:
     num_items: int
     rows_per_item: int
     head_dim: int
+    serial: bool  # run on the calling thread (small steps), see SERIAL_MAX_BYTES
+    direct: bool  # items are the first output rows, one query each: write out / lse without a merge
 
     @staticmethod
     def build(
@@ -149,7 +162,9 @@ class DecodePlan:
             lo = len(segs.start)
             _plan_sequence(segs, spec, s, batch.q_lens[s], batch.kv_lens[s], (kv_begin or {}).get(s, 0))
             ranges.append((lo, len(segs.start)))
-        item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges)
+        keys = sum(e - b for b, e in zip(segs.start, segs.end))
+        serial = keys * spec.num_kv_heads * spec.head_dim * 8 < SERIAL_MAX_BYTES or numba.get_num_threads() == 1
+        item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges, split=not serial)
         q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)
         q_len = np.array([batch.q_lens[s] for s in seqs], dtype=np.int64)
         kv_len = np.array([batch.kv_lens[s] for s in seqs], dtype=np.int64)
@@ -159,21 +174,32 @@ class DecodePlan:
             item_seq, item_lo, item_hi, q_start, q_len, kv_len, np.ascontiguousarray(layout.row_base[seqs]),
             layout.block, *segs.arrays(), np.float32(spec.softmax_scale), np.float32(softcap), slopes,
         )
+        # One query per sequence, one item per sequence, in token order: the kernel's per-item rows are exactly the
+        # output rows, so it writes ``out`` / ``lse`` directly and no merge pass runs (batch-1 decode).
+        direct = len(item_seq) == len(seqs) and bool((q_len == 1).all()) and bool((q_start == np.arange(len(seqs))).all())
         return DecodePlan(arrays, seq_item_lo, seq_item_hi, q_start, q_len, len(item_seq),
-                          spec.num_q_heads * int(q_len.max()), spec.head_dim)
+                          spec.num_q_heads * int(q_len.max()), spec.head_dim, serial, direct)
 
     def run(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Write the planned sequences' rows of ``out`` / ``lse`` (float32, contiguous, without sinks).
 
         q : ``[total_q, Hq, D]``; k_rows, v_rows : ``[rows, Hkv, D]`` contiguous, float32 / bfloat16 / float16.
         """
-        part_out = np.empty((self.num_items, self.rows_per_item, self.head_dim), dtype=np.float32)
-        part_lse = np.empty((self.num_items, self.rows_per_item), dtype=np.float32)
-        # Chunks of one item, handed out dynamically: a descheduled thread then delays one item, not half the batch.
-        with numba.parallel_chunksize(1):
-            decode_attention_kernel(
-                q.to(torch.float32).numpy(), storage_view(k_rows), storage_view(v_rows), part_out, part_lse,
-                *self.arrays,
-            )
-        merge_parts_kernel(part_out, part_lse, self.seq_item_lo, self.seq_item_hi, self.q_start, self.q_len,
-                           out.numpy(), lse.numpy())
+        qn = q.numpy() if q.dtype == torch.float32 else q.to(torch.float32).numpy()
+        if self.direct:  # the kernel's item rows are the output rows
+            part_out, part_lse = out.numpy()[: self.num_items], lse.numpy()[: self.num_items]
+        else:
+            part_out = np.empty((self.num_items, self.rows_per_item, self.head_dim), dtype=np.float32)
+            part_lse = np.empty((self.num_items, self.rows_per_item), dtype=np.float32)
+        args = (qn, storage_view(k_rows), storage_view(v_rows), part_out, part_lse, *self.arrays)
+        if self.serial:
+            decode_attention_serial(*args)
+        else:
+            # Chunks of one item, handed out dynamically: a descheduled thread delays one item, not half the batch.
+            with numba.parallel_chunksize(1):
+                decode_attention_kernel(*args)
+        if self.direct:
+            return
+        merge_args = (part_out, part_lse, self.seq_item_lo, self.seq_item_hi, self.q_start, self.q_len, out.numpy(),
+                      lse.numpy())
+        (merge_parts_serial if self.serial else merge_parts_kernel)(*merge_args)

@@ -79,6 +79,63 @@ def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # 
             sc[r, c] = acc
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def _decode_item(
+    item, q, k, v, part_out, part_lse,
+    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
+    scale, softcap, slopes,
+):  # pragma: no cover - compiled
+    """One work item: its sequence's queries against the item's kv segments, normalized, with its lse."""
+    hkv = k.shape[1]
+    d = k.shape[2]
+    hq = q.shape[1]
+    group = hq // hkv
+    s = item_seq[item]
+    nq = seq_q_len[s]
+    kv_len = seq_kv_len[s]
+    nrows = hq * nq
+    qrows = np.empty((nrows, d), dtype=np.float32)
+    for h in range(hq):
+        for i in range(nq):
+            for x in range(d):
+                qrows[h * nq + i, x] = q[seq_q_start[s] + i, h, x] * scale
+    acc = np.zeros((nrows, d), dtype=np.float32)
+    m = np.full(nrows, -np.inf, dtype=np.float32)
+    l = np.zeros(nrows, dtype=np.float32)
+    sc = np.empty((nrows, CHUNK), dtype=np.float32)
+    rows = np.empty(CHUNK, dtype=np.int64)
+    for seg in range(item_seg_lo[item], item_seg_hi[item]):
+        j_begin = seg_start[seg]
+        j_end = seg_end[seg]
+        moff = seg_mask_off[seg]
+        for j0 in range(j_begin, j_end, CHUNK):
+            cn = min(CHUNK, j_end - j0)
+            for c in range(cn):
+                j = j0 + c
+                rows[c] = row_base[s, j // block] + j % block
+                for hk in range(hkv):
+                    _score(sc, qrows, k, rows[c], hk, group, nq, c, softcap, slopes, j, kv_len)
+            if moff >= 0:
+                _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
+            _online_softmax(sc, m, l, acc, cn)
+            for c in range(cn):
+                for hk in range(hkv):
+                    vrow = v[rows[c], hk]
+                    for r in range(hk * group * nq, (hk + 1) * group * nq):
+                        _axpy(acc, r, sc[r, c], vrow, d)
+    for r in range(nrows):
+        if l[r] > 0.0:
+            inv = np.float32(1.0) / l[r]
+            for x in range(d):
+                part_out[item, r, x] = acc[r, x] * inv
+            part_lse[item, r] = m[r] + math.log(l[r])
+        else:
+            for x in range(d):
+                part_out[item, r, x] = 0.0
+            part_lse[item, r] = -np.inf
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_attention_kernel(
     q, k, v, part_out, part_lse,
@@ -86,7 +143,7 @@ def decode_attention_kernel(
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
     scale, softcap, slopes,
 ):  # pragma: no cover - compiled
-    """Unnormalized-then-normalized partial attention of every work item.
+    """Partial attention of every work item, items spread over the thread pool.
 
     q : f32 ``[tokens, Hq, D]``; k, v : ``[rows, Hkv, D]`` f32 / uint16 (bf16 bits) / int16 (fp16 bits).
     part_out : f32 ``[items, Hq * max_q, D]`` and part_lse : f32 ``[items, Hq * max_q]``; row ``h * q_len + i``.
@@ -96,54 +153,29 @@ def decode_attention_kernel(
     (uint8 ``[heads, q_len, seg_len]``, head stride 0 when the mask ignores heads); -1 means every key is kept.
     softcap : 0 disables; slopes : f32 ``[Hq]`` ALiBi slopes or empty.
     """
-    hkv = k.shape[1]
-    d = k.shape[2]
-    hq = q.shape[1]
-    group = hq // hkv
     for item in prange(item_seq.shape[0]):
-        s = item_seq[item]
-        nq = seq_q_len[s]
-        kv_len = seq_kv_len[s]
-        nrows = hq * nq
-        qrows = np.empty((nrows, d), dtype=np.float32)
-        for h in range(hq):
-            for i in range(nq):
-                for x in range(d):
-                    qrows[h * nq + i, x] = q[seq_q_start[s] + i, h, x] * scale
-        acc = np.zeros((nrows, d), dtype=np.float32)
-        m = np.full(nrows, -np.inf, dtype=np.float32)
-        l = np.zeros(nrows, dtype=np.float32)
-        sc = np.empty((nrows, CHUNK), dtype=np.float32)
-        rows = np.empty(CHUNK, dtype=np.int64)
-        for seg in range(item_seg_lo[item], item_seg_hi[item]):
-            j_begin = seg_start[seg]
-            j_end = seg_end[seg]
-            moff = seg_mask_off[seg]
-            for j0 in range(j_begin, j_end, CHUNK):
-                cn = min(CHUNK, j_end - j0)
-                for c in range(cn):
-                    j = j0 + c
-                    rows[c] = row_base[s, j // block] + j % block
-                    for hk in range(hkv):
-                        _score(sc, qrows, k, rows[c], hk, group, nq, c, softcap, slopes, j, kv_len)
-                if moff >= 0:
-                    _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
-                _online_softmax(sc, m, l, acc, cn)
-                for c in range(cn):
-                    for hk in range(hkv):
-                        vrow = v[rows[c], hk]
-                        for r in range(hk * group * nq, (hk + 1) * group * nq):
-                            _axpy(acc, r, sc[r, c], vrow, d)
-        for r in range(nrows):
-            if l[r] > 0.0:
-                inv = np.float32(1.0) / l[r]
-                for x in range(d):
-                    part_out[item, r, x] = acc[r, x] * inv
-                part_lse[item, r] = m[r] + math.log(l[r])
-            else:
-                for x in range(d):
-                    part_out[item, r, x] = 0.0
-                part_lse[item, r] = -np.inf
+        _decode_item(
+            item, q, k, v, part_out, part_lse,
+            item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+        )
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def decode_attention_serial(
+    q, k, v, part_out, part_lse,
+    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
+    scale, softcap, slopes,
+):  # pragma: no cover - compiled
+    """:func:`decode_attention_kernel` on the calling thread: for small steps (a short context at batch 1), where
+    waking the pool costs more than the work (measured ~60 us per call on this machine)."""
+    for item in range(item_seq.shape[0]):
+        _decode_item(
+            item, q, k, v, part_out, part_lse,
+            item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+        )
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -183,34 +215,46 @@ def _online_softmax(sc, m, l, acc, cn):  # pragma: no cover - compiled
         l[r] += total
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def _merge_sequence(s, part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, out, lse):  # pragma: no cover
+    hq = out.shape[1]
+    d = out.shape[2]
+    nq = seq_q_len[s]
+    for h in range(hq):
+        for i in range(nq):
+            r = h * nq + i
+            t = seq_q_start[s] + i
+            mx = -np.inf
+            for it in range(seq_item_lo[s], seq_item_hi[s]):
+                mx = max(mx, part_lse[it, r])
+            if mx == -np.inf:
+                for x in range(d):
+                    out[t, h, x] = 0.0
+                lse[t, h] = -np.inf
+                continue
+            total = 0.0
+            for x in range(d):
+                out[t, h, x] = 0.0
+            for it in range(seq_item_lo[s], seq_item_hi[s]):
+                w = math.exp(part_lse[it, r] - mx)
+                total += w
+                for x in range(d):
+                    out[t, h, x] += w * part_out[it, r, x]
+            inv = 1.0 / total
+            for x in range(d):
+                out[t, h, x] *= inv
+            lse[t, h] = mx + math.log(total)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def merge_parts_kernel(part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, out, lse):  # pragma: no cover
     """Combine each sequence's parts by log-sum-exp into ``out [tokens, Hq, D]`` and ``lse [tokens, Hq]`` (f32)."""
-    hq = out.shape[1]
-    d = out.shape[2]
     for s in prange(seq_q_len.shape[0]):
-        nq = seq_q_len[s]
-        for h in range(hq):
-            for i in range(nq):
-                r = h * nq + i
-                t = seq_q_start[s] + i
-                mx = -np.inf
-                for it in range(seq_item_lo[s], seq_item_hi[s]):
-                    mx = max(mx, part_lse[it, r])
-                if mx == -np.inf:
-                    for x in range(d):
-                        out[t, h, x] = 0.0
-                    lse[t, h] = -np.inf
-                    continue
-                total = 0.0
-                for x in range(d):
-                    out[t, h, x] = 0.0
-                for it in range(seq_item_lo[s], seq_item_hi[s]):
-                    w = math.exp(part_lse[it, r] - mx)
-                    total += w
-                    for x in range(d):
-                        out[t, h, x] += w * part_out[it, r, x]
-                inv = 1.0 / total
-                for x in range(d):
-                    out[t, h, x] *= inv
-                lse[t, h] = mx + math.log(total)
+        _merge_sequence(s, part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, out, lse)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def merge_parts_serial(part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, out, lse):  # pragma: no cover
+    """:func:`merge_parts_kernel` on the calling thread."""
+    for s in range(seq_q_len.shape[0]):
+        _merge_sequence(s, part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, out, lse)
