@@ -47,13 +47,21 @@ class AttentionPlan:
         ``[sum(q_lens), Hq, D]`` in q's dtype (and lse when asked).
         """
         self._check(q, k_pages, v_pages)
-        if self._backend is None:
-            self._backend = select(AttentionRequest(self.spec, q.dtype, q.device, layout="paged"), self._backend_name)
-            self._state = self._backend.plan(self.spec, self.batch, self._layout)
+        self.backend_state(q.dtype, q.device)
         rows_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         out, lse = execute(self._backend, self._state, self.spec, q, k_pages.reshape(rows_shape),
                            v_pages.reshape(rows_shape), self.batch.total_q)
         return (out, lse) if return_lse else out
+
+    def backend_state(self, dtype: torch.dtype, device: torch.device) -> tuple[object, object]:
+        """``(backend, its plan)`` for tensors of ``dtype`` on ``device``: chosen and planned on the first call.
+
+        For callers that fuse attention into a larger kernel of the same backend (``tessera.models.fused_decode``).
+        """
+        if self._backend is None:
+            self._backend = select(AttentionRequest(self.spec, dtype, device, layout="paged"), self._backend_name)
+            self._state = self._backend.plan(self.spec, self.batch, self._layout)
+        return self._backend, self._state
 
     def _check(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
         spec, where = self.spec, "AttentionPlan.run"

@@ -15,6 +15,7 @@ import torch
 from tessera import kernels as K
 from tessera.attention import plan
 from tessera.kv import PagedKVCache
+from tessera.models.fused_decode import fused_layers
 from tessera.models.layers import decoder, layer_spec, rope_tables
 from tessera.models.model import Model
 
@@ -66,11 +67,14 @@ def new_cache(model: Model, num_pages: int, page_size: int) -> PagedKVCache:
 
 
 @torch.no_grad()
-def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False) -> torch.Tensor:
+def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False,
+                 fused: bool = True) -> torch.Tensor:
     """Run one step; return float32 logits of each sequence's last new token ``[num_seqs, vocab]``.
 
     With ``all_logits=True`` it returns the logits of every new token ``[T, vocab]`` (speculative verification,
     prompt logprobs). Sequences with ``q_len = 0`` are skipped (their row is absent from the result).
+    ``fused=False`` forces the per-op path even where the fused cpu decode kernel applies
+    (:mod:`tessera.models.fused_decode`; tests compare the two).
     """
     step.validate()
     config, w, backend = model.config, model.weights, model.backend
@@ -81,17 +85,22 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
     def spec_key(i: int) -> object:
         return config.layer_windows[i]  # everything else in a layer's spec is the same on every layer
 
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache.write(i, k, v, step.slots)
+    def plan_for(i: int):
         key = spec_key(i)
         if key not in plans:
             plans[key] = plan(layer_spec(config, i), step.q_lens, step.kv_lens, step.page_table, cache.page_size,
                               backend=backend)
-        return plans[key].run(q, cache.k_pages[i], cache.v_pages[i])
+        return plans[key]
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.write(i, k, v, step.slots)
+        return plan_for(i).run(q, cache.k_pages[i], cache.v_pages[i])
 
     positions = step.positions
     ropes = rope_tables(config, max(step.kv_lens))
-    h = decoder(config, w, step.token_ids.long(), positions, ropes, attend, backend)
+    h = fused_layers(model, cache, step, positions, ropes, plan_for) if fused else None
+    if h is None:
+        h = decoder(config, w, step.token_ids.long(), positions, ropes, attend, backend)
     if not all_logits:
         ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0])
         h = h[ends]

@@ -1,0 +1,127 @@
+"""Fused cpu decode: a small decode step runs each decoder layer as one Numba call.
+
+:func:`fused_layers` is what :func:`tessera.models.paged.forward_step` tries first. It takes the step when the
+model and the step fit :func:`tessera.backends.cpu.decode_layer.decoder_layer_kernel` (why each condition exists is
+noted where it is checked) and returns None otherwise, so the per-op path runs. Both paths call the same inline
+Numba helpers in the same order, so their logits agree bit for bit (``tests/models/test_fused_decode.py``).
+
+Measured on SmolLM2-135M fp32, batch 1 (``benchmarks/e2e_cpu.py``): the per-op path spent ~8 ms of a ~21 ms decode
+step in Python between kernels; see docs/engine.md for the numbers after fusion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tessera import kernels as K
+from tessera.backends.cpu.decode_layer import decoder_layer_kernel
+from tessera.backends.cpu.ops._narrow import storage_view
+from tessera.backends.cpu.ops.quant import SERIAL_WORK, SMALL_M
+from tessera.models.config import ModelConfig
+from tessera.models.layers import norm
+
+_ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+_VIEWS_ATTR = "_fused_decode_views"
+
+
+def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
+    """Why the fused kernel cannot run this model (None when it can). Checked once per model."""
+    if config.norm not in ("rms", "rms_gemma"):
+        return f"norm {config.norm!r} (the kernel has RMSNorm only)"
+    if config.learned_positions:
+        return "learned position embeddings"
+    if not config.gated_mlp or config.activation not in _ACT_KINDS:
+        return f"MLP is not a gated {sorted(_ACT_KINDS)} unit"
+    if any(config.is_moe_layer(i) for i in range(config.num_layers)):
+        return "mixture-of-experts layers"
+    dtype = weights["embed"].dtype
+    for name, t in weights.items():
+        if name.startswith("layers.") and not (isinstance(t, torch.Tensor) and t.dtype == dtype
+                                               and t.device.type == "cpu" and t.is_contiguous()):
+            return f"weight {name} is not a contiguous {dtype} CPU tensor (quantized or mixed dtypes)"
+    return None
+
+
+def _layer_views(model) -> list[tuple] | None:
+    """Per layer, the kernel's weight arguments as NumPy storage views (built once per model and kept on it)."""
+    cached = getattr(model, _VIEWS_ATTR, False)
+    if cached is not False:
+        return cached
+    config, w = model.config, model.weights
+    views = None
+    if unsupported_reason(config, w) is None:
+        absent = storage_view(torch.zeros(0, dtype=model.dtype))
+
+        def get(name: str) -> np.ndarray:
+            return storage_view(w[name].detach()) if name in w else absent
+
+        views = []
+        for i in range(config.num_layers):
+            p = f"layers.{i}"
+            following = f"layers.{i + 1}.attn_norm" if i + 1 < config.num_layers else "final_norm"
+            views.append((
+                get(f"{p}.qkv.weight"), get(f"{p}.qkv.bias"), get(f"{p}.o.weight"), get(f"{p}.o.bias"),
+                get(f"{p}.gate_up.weight"), get(f"{p}.gate_up.bias"), get(f"{p}.down.weight"), get(f"{p}.down.bias"),
+                get(f"{p}.q_norm.weight") if config.qk_norm else absent,
+                get(f"{p}.k_norm.weight") if config.qk_norm else absent,
+                get(f"{p}.post_attn_norm.weight") if config.post_norms else absent,
+                get(f"{p}.mlp_norm.weight"),
+                get(f"{p}.post_mlp_norm.weight") if config.post_norms else absent,
+                get(f"{following}.weight"),
+            ))
+    object.__setattr__(model, _VIEWS_ATTR, views)
+    return views
+
+
+def _largest_gemv(views: list[tuple]) -> int:
+    """Multiply-adds of the layer's biggest weight at one row of x."""
+    return max(v.shape[0] * v.shape[1] for layer in views[:1] for v in (layer[0], layer[2], layer[4], layer[6]))
+
+
+def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_for) -> torch.Tensor | None:
+    """Run every layer of a small decode step fused; return the final-normed hidden states ``[T, H]``, or None when
+    the step does not qualify (the caller then runs the per-op path).
+
+    ``plan_for(i)`` gives layer ``i``'s :class:`tessera.attention.plan.AttentionPlan` for this step.
+    """
+    config = model.config
+    t_count = int(step.token_ids.numel())
+    if model.backend not in ("auto", "cpu") or t_count == 0 or t_count > SMALL_M or max(step.q_lens) != 1:
+        return None  # one query per sequence: the direct decode plan's rows are the output rows
+    if min(step.q_lens) != 1 or not ropes:
+        return None
+    views = _layer_views(model)
+    if views is None or t_count * _largest_gemv(views) >= SERIAL_WORK:
+        return None  # the kernel is serial; bigger GEMVs run faster over all cores in the per-op path
+    states = {}
+    for i in range(config.num_layers):
+        key = config.layer_windows[i]
+        if key not in states:
+            backend, state = plan_for(i).backend_state(model.dtype, torch.device("cpu"))
+            decode = getattr(state, "decode", None)
+            if (backend.name != "cpu" or decode is None or not decode.direct or not decode.serial or state.cascades
+                    or state.prefill_seqs or plan_for(i).spec.sinks is not None):
+                return None  # long contexts split over cores; shared prefixes use the cascade
+            states[key] = decode.arrays
+    slots = step.slots.detach().to(torch.int64).numpy()
+    if slots.min() < 0 or slots.max() >= cache.num_slots or np.unique(slots).size != slots.size:
+        raise ValueError(f"forward_step: slots must be distinct and in [0, {cache.num_slots}), got {slots.tolist()}")
+    w = model.weights
+    scale = K.gemma_embed_scale(config.hidden_size, model.dtype) if config.embed_scale else None
+    x = K.embed(step.token_ids.long(), w["embed"], scale=scale, backend=model.backend)
+    h, x = norm(config, x, w, "layers.0.attn_norm", backend=model.backend)
+    h, x = h.contiguous(), x.contiguous().clone()  # both are updated in place, layer by layer
+    xs, hs = storage_view(x), storage_view(h)
+    pos = positions.to(torch.int64).numpy()
+    w_offset = 1.0 if config.norm == "rms_gemma" else 0.0
+    act = _ACT_KINDS[config.activation]
+    rows = (-1, config.num_kv_heads, config.head_dim)
+    for i in range(config.num_layers):
+        rope = ropes[config.layer_rope[i]]
+        decoder_layer_kernel(
+            xs, hs, *views[i], w_offset, config.norm_eps, act, config.num_heads, pos, rope.cos.numpy(),
+            rope.sin.numpy(), storage_view(cache.k_pages[i].view(rows)), storage_view(cache.v_pages[i].view(rows)),
+            slots, *states[config.layer_windows[i]],
+        )
+    return h

@@ -1,0 +1,116 @@
+"""The fused cpu decode layer equals the per-op path: same logits, same KV cache, for every family it takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import tessera.models.paged as paged
+from tessera.backends.cpu import decode as cpu_decode
+from tessera.models import load_model
+from tessera.models.fused_decode import unsupported_reason
+from tessera.models.paged import StepBatch, forward_step, new_cache, slots_for
+from tests.models.helpers import save_tiny
+
+PAGE = 4
+_BASE = dict(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_BASE)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_BASE)),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_BASE, head_dim=16)),  # q/k norms
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_BASE, head_dim=16, sliding_window=5,
+                                                         query_pre_attn_scalar=24, attn_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        _BASE, head_dim=16, sliding_window=5, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}})),
+}
+#: how far the fused logits may be from the per-op ones: the same helpers run in the same order, but LLVM may
+#: vectorize a reduction differently in the bigger function (fastmath reassociation)
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _model(name, tmp_path, dtype="float32"):
+    config_cls, model_cls, kwargs = FAMILIES[name]
+    save_tiny(getattr(transformers, model_cls), getattr(transformers, config_cls)(**kwargs), tmp_path)
+    return load_model(tmp_path, dtype=dtype)
+
+
+def _step(seqs: dict[int, list[int]], new: dict[int, int], tables: dict[int, list[int]]) -> StepBatch:
+    ids, q_lens, kv_lens, slots = [], [], [], []
+    width = max(len(t) for t in tables.values())
+    for s, tokens in seqs.items():
+        n = new[s]
+        ids += tokens[len(tokens) - n:]
+        q_lens.append(n)
+        kv_lens.append(len(tokens))
+        slots += slots_for(tables[s], range(len(tokens) - n, len(tokens)), PAGE)
+    table = torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s in seqs], dtype=torch.int32)
+    return StepBatch(torch.tensor(ids), q_lens, kv_lens, table, torch.tensor(slots))
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the steps the fused path took (it returns None when it declines)."""
+    taken = []
+    original = paged.fused_layers
+
+    def spy(*args, **kwargs):
+        h = original(*args, **kwargs)
+        taken.append(h is not None)
+        return h
+
+    monkeypatch.setattr(paged, "fused_layers", spy)
+    return taken
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fused_decode_equals_per_op_path(name, dtype, tmp_path, fused_calls):
+    model = _model(name, tmp_path, dtype)
+    gen = torch.Generator().manual_seed(5)
+    seqs = {0: torch.randint(0, 211, (11,), generator=gen).tolist(), 1: torch.randint(0, 211, (3,), generator=gen).tolist(),
+            2: torch.randint(0, 211, (7,), generator=gen).tolist()}
+    tables = {0: [9, 2, 12, 5, 0], 1: [3, 14, 7], 2: [1, 11, 6, 13]}  # shuffled pages, partial last pages
+    caches = [new_cache(model, num_pages=16, page_size=PAGE) for _ in range(2)]
+    prefill = _step(seqs, {s: len(t) for s, t in seqs.items()}, tables)
+    for cache in caches:
+        forward_step(model, cache, prefill, fused=False)
+    new = {s: 1 for s in seqs}
+    for _ in range(4):  # decode steps; the sliding windows (5) start dropping keys on the way
+        step = _step({s: t + [(7 * s + len(t)) % 211] for s, t in seqs.items()}, new, tables)
+        fused = forward_step(model, caches[0], step)
+        per_op = forward_step(model, caches[1], step, fused=False)
+        torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
+        for layer in range(model.config.num_layers):
+            torch.testing.assert_close(caches[0].k_pages[layer], caches[1].k_pages[layer], **TOL[model.dtype])
+            torch.testing.assert_close(caches[0].v_pages[layer], caches[1].v_pages[layer], **TOL[model.dtype])
+        seqs = {s: t + [(7 * s + len(t)) % 211] for s, t in seqs.items()}
+    assert fused_calls == [True] * 4  # fused=False steps never ask
+
+
+def test_fused_decode_declines_what_it_cannot_run(tmp_path, fused_calls, monkeypatch):
+    model = _model("llama", tmp_path)
+    tokens = torch.randint(0, 211, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    cache = new_cache(model, num_pages=8, page_size=PAGE)
+    table = {0: [4, 1, 6, 2]}
+    forward_step(model, cache, _step({0: tokens}, {0: 9}, table))  # prefill: declined
+    forward_step(model, cache, _step({0: tokens + [5]}, {0: 1}, table))  # decode: taken
+    forward_step(model, cache, _step({0: tokens + [5, 6, 7]}, {0: 2}, table))  # two queries (verification): declined
+    monkeypatch.setattr(cpu_decode, "SERIAL_MAX_BYTES", 0)  # a context long enough to split over cores: declined
+    forward_step(model, cache, _step({0: tokens + [5, 6, 7, 8]}, {0: 1}, table))
+    assert fused_calls == [False, True, False, False]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mixtral"])
+def test_unsupported_families_name_the_reason(name, tmp_path):
+    kwargs = {"gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=211, n_embd=64, n_layer=1, n_head=4)),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_BASE, num_local_experts=4,
+                                                                      num_experts_per_tok=2))}[name]
+    save_tiny(getattr(transformers, kwargs[1]), getattr(transformers, kwargs[0])(**kwargs[2]), tmp_path)
+    model = load_model(tmp_path)
+    reason = unsupported_reason(model.config, model.weights)
+    assert reason and ("norm" in reason or "experts" in reason)
