@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 from tessera.engine.llm import LLM
-from tessera.engine.params import RequestOutput, SamplingParams
+from tessera.engine.params import CompletionOutput, RequestOutput, SamplingParams
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import Sequence
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Scheduler", "Sequence"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "Scheduler", "Sequence"]

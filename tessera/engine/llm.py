@@ -97,11 +97,11 @@ class LLM:
         for seq in seqs:
             self.scheduler.add(seq)
         try:
-            while any(not s.is_finished for s in seqs):
+            while any(not s.group_finished for s in seqs):
                 self.step()
         finally:
             for seq in seqs:  # an error mid-run must not leave pages held by a dead request
-                if not seq.is_finished:
+                if not seq.group_finished:
                     self.scheduler.abort(seq)
         return [s.output() for s in seqs]
 
@@ -112,6 +112,8 @@ class LLM:
         generator is exhausted, ``self.last_output`` holds the finished request's :class:`RequestOutput` (token ids,
         timings), e.g. for the tokens/s line of ``tessera generate``.
         """
+        if params is not None and params.n != 1:
+            raise ValueError(f"stream: one text stream per call; got n={params.n} (use generate for n > 1)")
         (seq,) = self._make_sequences([prompt], params)
         self.scheduler.add(seq)
         hold = max((len(s) for s in seq.params.stop), default=1) - 1
@@ -143,7 +145,9 @@ class LLM:
         """Validate and queue one request without running it; :meth:`step` advances it (a server's loop).
 
         Returns its :class:`Sequence`: ``.text`` and ``.output_ids`` grow as steps run, ``.is_finished`` and
-        ``.output()`` report the end. Raises ValueError / TypeError for a bad request (nothing is queued).
+        ``.output()`` report the end. With ``params.n > 1`` it is sample 0; ``.group`` lists every sample and
+        ``.group_finished`` says when all are done. Raises ValueError / TypeError for a bad request (nothing is
+        queued).
         """
         (seq,) = self._make_sequences([prompt], params)
         self.scheduler.add(seq)
@@ -194,9 +198,15 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"request {i}: params must be tessera.engine.SamplingParams, got {type(p).__name__}")
             ids = self._check_prompt(i, prompt, p)
-            generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            seqs.append(Sequence(next(self._ids), ids, p, self.model.config.eos_token_ids, self.max_len,
-                                 self.tokenizer, generator, request_id=i))
+            group = []
+            for sample in range(p.n):
+                generator = torch.Generator().manual_seed(p.seed + sample) if p.seed is not None else None
+                group.append(Sequence(next(self._ids), ids, p, self.model.config.eos_token_ids, self.max_len,
+                                      self.tokenizer, generator, request_id=i, sample_index=sample))
+            for seq in group:
+                seq.group = group
+            group[0].pending_children = group[1:]
+            seqs.append(group[0])
         return seqs
 
     def _check_prompt(self, i: int, prompt: Prompt, p: SamplingParams) -> list[int]:
@@ -216,7 +226,11 @@ class LLM:
         if len(ids) >= self.max_len:
             raise ValueError(f"request {i}: the prompt has {len(ids)} tokens but the context holds {self.max_len}, "
                              f"leaving no room to generate; shorten the prompt to at most {self.max_len - 1}")
+        if p.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"request {i}: n={p.n} samples run at once but max_num_seqs is "
+                             f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")
         bm = self.block_manager
+        # one sample alone must fit; parallel samples that do not fit together are preempted and run in turn
         need = math.ceil(min(len(ids) + p.max_tokens, self.max_len) / bm.page_size)
         if need > bm.num_pages:
             raise ValueError(f"request {i}: prompt + max_tokens need {need} KV pages but the cache has "

@@ -21,6 +21,9 @@ class SamplingParams(KernelSamplingParams):
         kept in ``token_ids`` but not in the text.
     ignore_eos : keep generating past the model's EOS tokens.
     logprobs : report the sampled token's log-probability at each step.
+    n : independent samples of the prompt (parallel sampling). The prompt is computed once; the samples share its KV
+        pages and copy a shared partial page only when they first write to it. With a seed, sample ``i`` draws from
+        its own generator seeded ``seed + i`` (so it equals a request with that seed and ``n = 1``).
 
     Examples
     --------
@@ -32,17 +35,31 @@ class SamplingParams(KernelSamplingParams):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         KernelSamplingParams.__post_init__(self)  # zero-arg super() breaks in slotted dataclasses
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]  # a lone string is a common slip; it means one stop string
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` samples of a request (see :attr:`RequestOutput.outputs`)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -60,7 +77,9 @@ class RequestOutput:
     logprobs : log-probability of each generated token under the distribution it was drawn from (if asked).
     num_cached_tokens : prompt tokens served from the prefix cache at the first admission.
     num_preemptions : times the request was preempted and recomputed.
-    time_to_first_token, latency : seconds from arrival to the first token and to the finish.
+    time_to_first_token, latency : seconds from arrival to the first token and to the finish (of the last sample).
+    outputs : every sample, ``n`` of them (``SamplingParams.n``); ``token_ids``, ``text``, ``finish_reason`` and
+        ``logprobs`` above are those of ``outputs[0]``.
     """
 
     request_id: int
@@ -73,7 +92,8 @@ class RequestOutput:
     num_preemptions: int = 0
     time_to_first_token: float | None = None
     latency: float | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finish_reason is not None for o in self.outputs) if self.outputs else self.finish_reason is not None

@@ -49,15 +49,20 @@ class Runner:
                          torch.tensor(slots, dtype=torch.int64))
 
     def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float]]:
-        """Run one step; return ``seq_id -> (token id, logprob)`` for each sequence that reached its end."""
+        """Run one step; return ``seq_id -> (token id, logprob)`` for each sequence that reached its end (and for the
+        samples that fork from it when its prompt completes, ``n > 1``)."""
         if not out.scheduled:
             return {}
         self.copy_pages(out.page_copies)
         logits = forward_step(self.model, self.cache, self.build_batch(out))
-        rows = [r for r, item in enumerate(out.scheduled) if item.samples]
+        rows, seqs = [], []
+        for r, item in enumerate(out.scheduled):
+            if item.samples:  # the other samples of a parallel-sampling request draw from the same logits row
+                for seq in (item.seq, *item.seq.pending_children):
+                    rows.append(r)
+                    seqs.append(seq)
         if not rows:
             return {}
-        seqs = [out.scheduled[r].seq for r in rows]
         ids, logprobs = sample(
             logits[rows], [s.params for s in seqs],
             token_counts=[s.token_ids if s.params.has_penalties else None for s in seqs],

@@ -84,7 +84,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is and free its pages; an unfinished one finishes with reason ``"abort"``."""
+        """Drop a request wherever it is and free its pages; an unfinished one finishes with reason ``"abort"``.
+
+        Aborting sample 0 of a parallel-sampling request aborts all its samples.
+        """
+        for other in seq.group[1:] if seq.sample_index == 0 else ():
+            self.abort(other)
+        seq.pending_children = []
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
@@ -137,6 +143,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.pending_children) > self.max_num_seqs:
+                break  # its samples fork into running sequences once the prompt is computed
             if not bm.can_allocate(seq.token_ids):
                 break  # FCFS: a later, smaller request does not jump the queue
             self.waiting.popleft()
@@ -178,9 +186,20 @@ class Scheduler:
             self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
             if not item.samples:
                 continue
-            seq.append_token(*sampled[seq.seq_id])
-            if seq.is_finished:
-                self.running.remove(seq)
-                self.block_manager.free(seq.seq_id)
-                finished.append(seq)
+            for child in seq.pending_children:  # parallel sampling: the prompt is computed, the other samples fork
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                child.num_computed = seq.num_computed
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.status = Status.RUNNING
+                self.running.append(child)
+                self._record(child, sampled[child.seq_id], finished)
+            seq.pending_children = []
+            self._record(seq, sampled[seq.seq_id], finished)
         return finished
+
+    def _record(self, seq: Sequence, token: tuple[int, float], finished: list[Sequence]) -> None:
+        seq.append_token(*token)
+        if seq.is_finished:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+            finished.append(seq)

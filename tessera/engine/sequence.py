@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from tessera.engine.detokenizer import Detokenizer, find_stop
-from tessera.engine.params import RequestOutput, SamplingParams
+from tessera.engine.params import CompletionOutput, RequestOutput, SamplingParams
 
 
 class Status(enum.Enum):
@@ -33,11 +33,20 @@ class Sequence:
     tokenizer : for the text; None leaves ``text`` empty.
     generator : the request's own torch.Generator (seeded requests), or None for torch's default stream.
     request_id : what :class:`RequestOutput` reports (the prompt's index in its call); defaults to ``seq_id``.
+    sample_index : which of the request's ``n`` samples this is (0 for the first, which runs the prompt).
+
+    Parallel sampling (``n > 1``): sample 0 carries the other samples in :attr:`pending_children` until its prompt is
+    computed; then the scheduler forks them (they share its pages) and each gets its own first token from the same
+    logits. :attr:`group` lists all ``n`` samples in order.
     """
 
     def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, eos_token_ids: tuple[int, ...],
-                 max_len: int, tokenizer: Any = None, generator: Any = None, request_id: int | None = None) -> None:
+                 max_len: int, tokenizer: Any = None, generator: Any = None, request_id: int | None = None,
+                 sample_index: int = 0) -> None:
         self.seq_id = seq_id
+        self.sample_index = sample_index
+        self.group: list[Sequence] = [self]
+        self.pending_children: list[Sequence] = []
         self.request_id = seq_id if request_id is None else request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -75,6 +84,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def group_finished(self) -> bool:
+        """Every sample of the request has finished (the same as :attr:`is_finished` when ``n = 1``)."""
+        return all(s.is_finished for s in self.group)
+
     def append_token(self, token_id: int, logprob: float) -> None:
         """Record a sampled token, extend the text, and decide whether the request is done."""
         now = time.perf_counter()
@@ -101,14 +115,21 @@ class Sequence:
     def _finish(self, reason: str, now: float) -> None:
         self.finish_reason, self.status, self.finish_time = reason, Status.FINISHED, now
 
+    def completion(self) -> CompletionOutput:
+        """This sample's part of the output."""
+        return CompletionOutput(self.sample_index, list(self.output_ids), self.text, self.finish_reason,
+                                list(self.logprobs) if self.params.logprobs else None)
+
     def output(self) -> RequestOutput:
-        """A snapshot of the request as a :class:`RequestOutput`."""
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        latency = None if self.finish_time is None else self.finish_time - self.arrival_time
+        """A snapshot of the request (all its samples when called on sample 0) as a :class:`RequestOutput`."""
+        first = [s.first_token_time for s in self.group if s.first_token_time is not None]
+        ttft = min(first) - self.arrival_time if first else None
+        ends = [s.finish_time for s in self.group]
+        latency = max(ends) - self.arrival_time if all(e is not None for e in ends) else None
         return RequestOutput(
             request_id=self.request_id, prompt_tokens=list(self.prompt_ids), token_ids=list(self.output_ids),
             text=self.text, finish_reason=self.finish_reason,
             logprobs=list(self.logprobs) if self.params.logprobs else None,
-            num_cached_tokens=self.num_cached_tokens or 0, num_preemptions=self.num_preemptions,
-            time_to_first_token=ttft, latency=latency,
+            num_cached_tokens=self.num_cached_tokens or 0, num_preemptions=sum(s.num_preemptions for s in self.group),
+            time_to_first_token=ttft, latency=latency, outputs=[s.completion() for s in self.group],
         )
