@@ -44,6 +44,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tessera.bench.e2e_workloads import Prompts, hf_generate, hf_prefill, load_hf, tessera_decode, tessera_prefill
 from tessera.engine import LLM, SamplingParams
 from tessera.models import default_model_path, load_model
 
@@ -68,16 +69,6 @@ class Sizes:
 QUICK = Sizes(prefill_len=128, decode_new=16, requests=8, request_prompt=32, request_new=32, hf_requests=2, reps=1)
 
 
-class Prompts:
-    """Fresh random prompts of ordinary tokens (no two share a page, so prefix caching never helps)."""
-
-    def __init__(self, seed: int = 0, low: int = 1000, high: int = 40000) -> None:
-        self.gen, self.low, self.high = torch.Generator().manual_seed(seed), low, high
-
-    def __call__(self, length: int) -> list[int]:
-        return torch.randint(self.low, self.high, (length,), generator=self.gen).tolist()
-
-
 def median_runs(fns: dict[str, Callable[[], dict[str, Any]]], reps: int) -> dict[str, dict[str, Any]]:
     """Run each function ``reps`` times round-robin; per function, the median of each numeric field (else the last).
 
@@ -92,20 +83,6 @@ def median_runs(fns: dict[str, Callable[[], dict[str, Any]]], reps: int) -> dict
         out[name] = {k: statistics.median(r[k] for r in rs) if isinstance(v, (int, float)) else v
                      for k, v in rs[-1].items()}
     return out
-
-
-# ------------------------------------------------------------------------------------------------ Tessera
-def tessera_prefill(llm: LLM, prompt: list[int]) -> dict[str, Any]:
-    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    assert out.num_cached_tokens == 0, "a prefix-cache hit would flatter prefill"
-    return {"seconds": out.time_to_first_token, "tok_s": len(prompt) / out.time_to_first_token}
-
-
-def tessera_decode(llm: LLM, prompt: list[int], new: int) -> dict[str, Any]:
-    (out,) = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
-    decode_s = out.latency - out.time_to_first_token
-    return {"ttft_s": out.time_to_first_token, "decode_s": decode_s, "tok_s": (new - 1) / decode_s,
-            "tokens": out.token_ids}
 
 
 def tessera_batch(llm: LLM, prompts: list[list[int]], new: int) -> dict[str, Any]:
@@ -126,53 +103,6 @@ def new_llm(model: Any, sizes: Sizes) -> LLM:
     warm = [list(range(1000, 1000 + n)) for n in (sizes.prefill_len, sizes.request_prompt, sizes.decode_prompt)]
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     return llm
-
-
-# ------------------------------------------------------------------------------------------- transformers
-class _Clock:
-    """A transformers streamer that only notes when each ``put`` arrives (the prompt first, then each token)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: Any) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def load_hf(path: Path) -> Any:
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    hf_generate(model, list(range(1000, 1040)), 4)  # warm-up
-    return model
-
-
-@torch.no_grad()
-def hf_prefill(model: Any, prompt: list[int]) -> dict[str, Any]:
-    ids = torch.tensor([prompt])
-    start = time.perf_counter()
-    model(ids, use_cache=True, logits_to_keep=1)  # like Tessera: the KV cache is filled, one row of logits
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tok_s": len(prompt) / seconds}
-
-
-@torch.no_grad()
-def hf_generate(model: Any, prompt: list[int], new: int) -> dict[str, Any]:
-    ids = torch.tensor([prompt])
-    clock = _Clock()
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, use_cache=True, streamer=clock, pad_token_id=0)
-    end = time.perf_counter()
-    first = clock.times[1]  # times[0] is the prompt being handed over
-    return {"ttft_s": first - start, "decode_s": end - first, "tok_s": (new - 1) / (end - first),
-            "latency_s": end - start, "tokens": out[0, len(prompt):].tolist()}
 
 
 def hf_one_at_a_time(model: Any, prompts: list[list[int]], new: int, total: int) -> dict[str, Any]:
@@ -239,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (~1 minute)")
     ap.add_argument("--reps", type=int, help="repetitions of prefill and decode (median kept)")
-    ap.add_argument("--json", default=f"benchmarks/results/e2e-cpu-{dt.date.today().isoformat()}.json")
+    ap.add_argument("--json", default=None,
+                    help="where to write results (default benchmarks/results/e2e-cpu-<date>.json; --quick writes "
+                         "nothing unless given, so a smoke run never replaces the committed numbers)")
     args = ap.parse_args(argv)
+    if args.json is None and not args.quick:
+        args.json = f"benchmarks/results/e2e-cpu-{dt.date.today().isoformat()}.json"
     sizes = QUICK if args.quick else Sizes()
     if args.reps:
         sizes = Sizes(**{**asdict(sizes), "reps": args.reps})

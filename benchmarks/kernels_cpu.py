@@ -26,7 +26,7 @@ from attention_cpu import time_interleaved  # noqa: E402  (same folder: the inte
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-import kernels as families  # noqa: E402
+import tessera.bench.kernel_cases as families  # noqa: E402
 from tessera.hw import get_ceilings  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def load_cases(quick: bool, only: set[str] | None) -> list:
     for info in sorted(pkgutil.iter_modules(families.__path__), key=lambda m: m.name):
         if only and info.name not in only:
             continue
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"{families.__name__}.{info.name}")
         cases.extend(module.cases(quick))
     return cases
 
@@ -43,7 +43,7 @@ def load_cases(quick: bool, only: set[str] | None) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--family", help="comma-separated module names under benchmarks/kernels/")
+    ap.add_argument("--family", help="comma-separated module names under tessera/bench/kernel_cases/")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json")
     args = ap.parse_args(argv)

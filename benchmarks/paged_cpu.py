@@ -15,48 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from attention_cpu import time_interleaved  # same folder: the interleaved median timer
 from rich.console import Console
 from rich.table import Table
 
 from tessera.attention import AttentionSpec, causal, plan
-
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def make_batch(kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, gen: torch.Generator):
-    """A shuffled page pool holding every sequence, its page table, and the queries."""
-    pages_per_seq = [math.ceil(kl / PAGE) for kl in kv_lens]
-    num_pages = sum(pages_per_seq)
-    k_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
-    v_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen).to(dtype)
-    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
-    table = torch.zeros(len(kv_lens), max(pages_per_seq), dtype=torch.int32)
-    start = 0
-    for s, n in enumerate(pages_per_seq):
-        table[s, :n] = order[start : start + n]
-        start += n
-    q = torch.randn(sum(q_lens), HQ, D, generator=gen).to(dtype)
-    return q, k_pages, v_pages, table
-
-
-def gather_then_sdpa(q, k_pages, v_pages, table, q_lens: list[int], kv_lens: list[int]) -> list[torch.Tensor]:
-    """The baseline: copy each sequence's pages into a contiguous tensor, then torch SDPA with a causal bool mask."""
-    outs, q0 = [], 0
-    for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        pages = table[s, : math.ceil(kl / PAGE)].long()
-        k = k_pages[pages].reshape(-1, HKV, D)[:kl].transpose(0, 1).unsqueeze(0)
-        v = v_pages[pages].reshape(-1, HKV, D)[:kl].transpose(0, 1).unsqueeze(0)
-        qs = q[q0 : q0 + ql].transpose(0, 1).unsqueeze(0)
-        keep = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
-        outs.append(F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, enable_gqa=True))
-        q0 += ql
-    return outs
+from tessera.bench.suites.paged import D, HKV, HQ, PAGE, gather_then_sdpa, make_batch
 
 
 def run_case(name: str, kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:

@@ -48,6 +48,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     validate.add_parser(commands)
     generate.add_parser(commands)
+    from tessera.tools import bench
+
+    bench.add_parser(commands)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""Benchmark cases of the kernel library, one module per op family; ``benchmarks/kernels_cpu.py`` runs them all.
+"""Benchmark cases of the kernel library, one module per op family; ``tessera bench kernels`` and
+``benchmarks/kernels_cpu.py`` run them all.
 
 Each module defines ``cases(quick: bool) -> list[KernelCase]``.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelCase
+from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels.moe import combine, grouped_matmul, moe_mlp, permute, route
 
 E, K, H, INTER = 8, 2, 1024, 2816

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelCase
+from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels.norms import layer_norm, qk_norm, rms_norm
 
 EPS = 1e-6

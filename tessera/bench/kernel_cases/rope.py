@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import KernelCase
+from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels.rope import RotaryEmbedding, apply_rope
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_POSITION = 32, 8, 128, 8192

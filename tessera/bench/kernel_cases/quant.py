@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import KernelCase
+from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels import quant
 
 HIDDEN = 4096

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import KernelCase  # run from benchmarks/, as kernels_cpu.py is
+from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels import sampling as ks
 from tessera.kernels.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelCase
+from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels.activations import gelu, gelu_and_mul, silu, silu_and_mul
 
 TARGET = round(1 / 1.5, 3)

@@ -1,0 +1,28 @@
+"""A suite for the CLI tests: two cheap cases whose speed a test controls through ``SLOW``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tessera.bench.harness import Case
+from tessera.kernels.norms import rms_norm
+
+#: names of cases to slow down deliberately (a 3 ms sleep on a ~0.1 ms kernel)
+SLOW: set[str] = set()
+
+
+def cases(quick: bool):
+    x, w = torch.randn(16, 512), torch.randn(512)
+
+    def make(name: str):
+        def run():
+            if name in SLOW:
+                time.sleep(0.003)
+            return rms_norm(x, w, 1e-6, backend="cpu")
+        return run
+
+    for name in ("rms_norm a", "rms_norm b"):
+        yield Case("fake", name, make(name), lambda: (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * w,
+                   "torch", 0.0, 2.0 * x.numel() * 4, "fp32", {"phase": "decode", "context": 16}, reps=15)
