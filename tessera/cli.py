@@ -1,5 +1,7 @@
-"""The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings) and ``tessera validate``
-(a model against transformers, layer by layer) and ``tessera generate`` (stream a completion).
+"""The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings), ``tessera validate``
+(a model against transformers, layer by layer), ``tessera generate`` (stream a completion), ``tessera serve`` (the
+OpenAI-compatible server), ``tessera profile`` (where a request's time goes) and ``tessera bench`` (benchmarks,
+comparisons, plots).
 
 Run as ``tessera <command>`` (the installed entry point) or ``python -m tessera <command>``.
 """
@@ -44,12 +46,12 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of tables")
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
-    from tessera.tools import generate, validate  # light: torch and transformers load only when a command runs
+    from tessera.tools import bench, generate, profile, serve, validate  # light: torch loads only when a command runs
 
     validate.add_parser(commands)
     generate.add_parser(commands)
-    from tessera.tools import bench
-
+    serve.add_parser(commands)
+    profile.add_parser(commands)
     bench.add_parser(commands)
     return parser
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tessera.hw import probes
+from tessera.hw.devices import Device
 
 #: libraries whose versions decide kernel speed; recorded in every result file
 LIBRARIES = ("torch", "numpy", "numba", "llvmlite", "triton", "transformers")
@@ -38,6 +39,15 @@ class RunCeilings:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+    def device(self) -> Device:
+        """This CPU as a roofline :class:`~tessera.hw.devices.Device`, with the rates of this run."""
+        return Device(
+            name=f"{probes.cpu_model()}, {probes.num_cores()} cores (this run)", kind="cpu",
+            peak_flops={"fp32": self.gemm_fp32_gflops * 1e9, "bf16": self.gemm_bf16_gflops * 1e9,
+                        "fp16": self.gemm_bf16_gflops * 1e9},
+            mem_bw=self.read_gbps * 1e9, sram_bytes=0, source="measured in this tessera bench run",
+        )
 
 
 def measure_run_ceilings(quick: bool = False) -> RunCeilings:

@@ -15,21 +15,28 @@ from rich.table import Table
 
 from tessera.bench.harness import Result
 from tessera.bench.machine import RunCeilings
+from tessera.hw import devices, roofline
 
 SCHEMA = 1
 
 
+#: other devices each case's roofline time is predicted for (JSON only): "what would this take at the bound there"
+OTHER_DEVICES = {"h100": devices.H100_SXM, "h200": devices.H200_SXM, "npu": devices.hypothetical_npu()}
+
+
 def predicted_seconds(flops: float, bytes_moved: float, ceilings: RunCeilings, dtype: str) -> float | None:
-    """The roofline's lower bound: the slower of computing at the GEMM ceiling and streaming at the read ceiling."""
+    """The roofline's lower bound on this machine (:func:`tessera.hw.roofline.predict_seconds` with this run's
+    ceilings): the slower of computing at the GEMM ceiling and streaming at the read ceiling."""
     if not flops and not bytes_moved:
         return None
-    return max(flops / (ceilings.peak_gflops(dtype) * 1e9), bytes_moved / (ceilings.read_gbps * 1e9))
+    return roofline.predict_seconds(flops, bytes_moved, ceilings.device(), dtype)
 
 
 def derived(r: Result, ceilings: RunCeilings) -> dict[str, Any]:
     """Rates and fractions of one result (None where they do not apply)."""
     out: dict[str, Any] = {"gflops": None, "gbps": None, "frac_compute": None, "frac_read": None,
-                           "predicted_seconds": None, "roofline_fraction": None, "bound": None, "ratio": r.ratio}
+                           "predicted_seconds": None, "roofline_fraction": None, "bound": None, "ratio": r.ratio,
+                           "predicted_on": None}
     if r.seconds is None or r.seconds <= 0:
         return out
     if r.flops:
@@ -42,8 +49,9 @@ def derived(r: Result, ceilings: RunCeilings) -> dict[str, Any]:
     if predicted is not None:
         out["predicted_seconds"] = predicted
         out["roofline_fraction"] = predicted / r.seconds
-        compute_s = r.flops / (ceilings.peak_gflops(r.dtype) * 1e9)
-        out["bound"] = "compute" if compute_s >= predicted else "memory"
+        out["bound"] = roofline.bound(r.flops, r.bytes_moved, ceilings.device(), r.dtype)
+        out["predicted_on"] = {name: roofline.predict_seconds(r.flops, r.bytes_moved, dev, r.dtype)
+                               for name, dev in OTHER_DEVICES.items()}
     return out
 
 

@@ -96,4 +96,6 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs) if self.outputs else self.finish_reason is not None
+        if self.outputs:
+            return all(o.finish_reason is not None for o in self.outputs)
+        return self.finish_reason is not None

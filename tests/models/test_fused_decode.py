@@ -72,8 +72,7 @@ def fused_calls(monkeypatch):
 def test_fused_decode_equals_per_op_path(name, dtype, tmp_path, fused_calls):
     model = _model(name, tmp_path, dtype)
     gen = torch.Generator().manual_seed(5)
-    seqs = {0: torch.randint(0, 211, (11,), generator=gen).tolist(), 1: torch.randint(0, 211, (3,), generator=gen).tolist(),
-            2: torch.randint(0, 211, (7,), generator=gen).tolist()}
+    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((11, 3, 7))}
     tables = {0: [9, 2, 12, 5, 0], 1: [3, 14, 7], 2: [1, 11, 6, 13]}  # shuffled pages, partial last pages
     caches = [new_cache(model, num_pages=16, page_size=PAGE) for _ in range(2)]
     prefill = _step(seqs, {s: len(t) for s, t in seqs.items()}, tables)

@@ -14,9 +14,15 @@ import numba
 import numpy as np
 import torch
 
-from tessera.attention.spec import AttentionSpec
 from tessera.attention.scores import Alibi, Softcap
-from tessera.attention.tiles import EMPTY, FULL, classify_tiles, resolve_partial_tile, tile_bounds
+from tessera.attention.spec import AttentionSpec
+from tessera.attention.tiles import (
+    EMPTY,
+    FULL,
+    classify_tiles,
+    resolve_partial_tile,
+    tile_bounds,
+)
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu.decode_kernel import (
     decode_attention_kernel,
@@ -176,7 +182,8 @@ class DecodePlan:
         )
         # One query per sequence, one item per sequence, in token order: the kernel's per-item rows are exactly the
         # output rows, so it writes ``out`` / ``lse`` directly and no merge pass runs (batch-1 decode).
-        direct = len(item_seq) == len(seqs) and bool((q_len == 1).all()) and bool((q_start == np.arange(len(seqs))).all())
+        in_order = bool((q_start == np.arange(len(seqs))).all())
+        direct = len(item_seq) == len(seqs) and bool((q_len == 1).all()) and in_order
         return DecodePlan(arrays, seq_item_lo, seq_item_hi, q_start, q_len, len(item_seq),
                           spec.num_q_heads * int(q_len.max()), spec.head_dim, serial, direct)
 

@@ -1,0 +1,309 @@
+"""Per-op accounting: wrap the model's kernel call points, count calls, wall time, FLOPs and bytes.
+
+:func:`account_ops` monkeypatches the functions a forward step calls (listed in :data:`TARGETS`) for the duration of
+a ``with`` block and restores them in ``finally``. Each wrapper runs the original inside
+``torch.profiler.record_function(name)``, so the ops show as named ranges in a Chrome/Perfetto trace, and adds the
+call's ``time.perf_counter`` wall time and its FLOPs and bytes (from argument shapes and dtypes, counted with
+:mod:`tessera.hw.roofline`) to that op's :class:`OpStats`.
+
+Why these attribute paths: ``layers.py`` looks ``K.matmul`` etc. up on :mod:`tessera.kernels` at call time, so
+patching the package attribute reaches it; ``fused_decode.py`` and ``runner.py`` imported ``decoder_layer_kernel``
+and ``sample`` by name, so those are patched in the importing module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tessera.hw import roofline
+
+CostFn = Callable[..., roofline.Cost]
+
+
+@dataclass(slots=True)
+class OpStats:
+    """Totals of one op over a profiled run.
+
+    Attributes
+    ----------
+    name : str
+    calls : int
+    seconds : float, wall time inside the op (``time.perf_counter``), summed over calls
+    flops : float, FLOPs summed over calls (a multiply-add counts 2)
+    bytes : float, bytes read + written, summed over calls
+    """
+
+    name: str
+    calls: int = 0
+    seconds: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclass(slots=True)
+class OpAccounting:
+    """What :func:`account_ops` collected: ``stats`` maps op name -> :class:`OpStats`.
+
+    With phases on, ``phase`` is ``"prefill"`` or ``"decode"`` from the first engine step on, and ops are keyed
+    ``"matmul (prefill)"`` etc.: the two phases have different bottlenecks, and a sum over both hides both.
+    """
+
+    stats: dict[str, OpStats] = field(default_factory=dict)
+    phase: str | None = None
+    _depth: int = 0
+
+    def add(self, name: str, seconds: float, cost: roofline.Cost) -> None:
+        if self.phase is not None:
+            name = f"{name} ({self.phase})"
+        op = self.stats.get(name)
+        if op is None:
+            op = self.stats[name] = OpStats(name)
+        op.calls += 1
+        op.seconds += seconds
+        op.flops += cost[0]
+        op.bytes += cost[1]
+
+    def sorted(self) -> list[OpStats]:
+        """Ops by total time, largest first."""
+        return sorted(self.stats.values(), key=lambda op: -op.seconds)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time inside all accounted ops."""
+        return sum(op.seconds for op in self.stats.values())
+
+
+# ------------------------------------------------------------------------------------------------ cost functions
+def _nbytes(t: Any) -> int:
+    """Bytes of a tensor, a NumPy array or a :class:`tessera.kernels.QuantizedWeight` (its packed bytes)."""
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return int(t.nbytes)
+
+
+def _matmul_cost(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> roofline.Cost:
+    """Float or quantized ``x [M, K] @ w[N, K].T``; a quantized weight counts its packed bytes (scales included)."""
+    m, k = x.shape
+    n = w.shape[0]
+    return roofline.matmul_cost(m, n, k, _nbytes(w) / max(n * k, 1), x.element_size())
+
+
+def _lm_head_cost(hidden: torch.Tensor, table: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    rows, (vocab, width) = hidden.numel() // hidden.shape[-1], table.shape
+    # logits come out float32 whatever the model dtype
+    return roofline.matmul_cost(rows, vocab, width, table.element_size(), hidden.element_size(), out_bytes_per_elem=4)
+
+
+def _embed_cost(ids: torch.Tensor, table: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    elems = ids.numel() * table.shape[1]
+    return roofline.elementwise_cost(elems, elems, table.element_size(), flops_per_elem=0.0)
+
+
+def _rms_norm_cost(x: torch.Tensor, weight: torch.Tensor, *args: Any, residual: Any = None,
+                   **kwargs: Any) -> roofline.Cost:
+    return roofline.norm_cost(x.numel() // x.shape[-1], x.shape[-1], x.element_size(), residual=residual is not None)
+
+
+def _layer_norm_cost(x: torch.Tensor, weight: torch.Tensor, bias: Any = None, *args: Any,
+                     **kwargs: Any) -> roofline.Cost:
+    return roofline.norm_cost(x.numel() // x.shape[-1], x.shape[-1], x.element_size(), bias=bias is not None)
+
+
+def _rope_cost(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    # in place: q and k are read and written; x * cos + rotate(x) * sin is 3 FLOPs per element
+    elems = q.numel() + k.numel()
+    return roofline.elementwise_cost(elems, elems, q.element_size(), flops_per_elem=3.0)
+
+
+def _gated_cost(flops_per_elem: float) -> CostFn:
+    def cost(gate_up: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+        # [..., 2I] in, [..., I] out; the count is per output element (activation + the multiply)
+        return roofline.elementwise_cost(gate_up.numel(), gate_up.numel() // 2, gate_up.element_size(),
+                                         flops_per_elem)
+    return cost
+
+
+def _gelu_cost(x: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    return roofline.elementwise_cost(x.numel(), x.numel(), x.element_size(), flops_per_elem=8.0)
+
+
+def _moe_cost(x: torch.Tensor, gate_up: Any, down: Any, router_logits: torch.Tensor, top_k: int, *args: Any,
+              shared: Any = None, **kwargs: Any) -> roofline.Cost:
+    """Experts touched read their weights once: at most ``min(E, T * top_k)`` of the E experts (an upper bound)."""
+    tokens, hidden = x.shape
+    experts = router_logits.shape[-1]
+    inter = down[0].shape[-1]
+    touched = min(experts, tokens * top_k) / experts
+    weight_bytes = sum(_nbytes(w) for w in (*gate_up, *down)) if isinstance(gate_up, (list, tuple)) \
+        else _nbytes(gate_up) + _nbytes(down)
+    flops = 2.0 * tokens * top_k * 3 * inter * hidden
+    nbytes = touched * weight_bytes + 2 * x.numel() * x.element_size()
+    if shared is not None:
+        s_inter = shared.down.shape[-1]
+        flops += 2.0 * tokens * 3 * s_inter * hidden
+        nbytes += _nbytes(shared.gate_up) + _nbytes(shared.down)
+    return flops, float(nbytes)
+
+
+def _sample_cost(logits: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    # a softmax-like pass over each row (max, exp, sum, scan): a few FLOPs per logit, the logits read once
+    return 5.0 * logits.numel(), float(_nbytes(logits))
+
+
+def _attention_cost(plan: Any, q: torch.Tensor, k_pages: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    """Causal attention over the plan's batch (windows and custom masks not subtracted: an upper bound for them)."""
+    spec, batch = plan.spec, plan.batch
+    return roofline.attention_cost(list(batch.q_lens), list(batch.kv_lens), spec.num_q_heads, spec.num_kv_heads,
+                                   spec.head_dim, q.element_size())
+
+
+def _kv_write_cost(cache: Any, layer: int, k: torch.Tensor, v: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> roofline.Cost:
+    # a copy: the new K and V are read, then written into their slots
+    return 0.0, float(2 * (_nbytes(k) + _nbytes(v)))
+
+
+# positions of decoder_layer_kernel's arguments (tessera/backends/cpu/decode_layer.py)
+_X, _QKV_W, _O_W, _GATE_UP_W, _DOWN_W, _NUM_Q_HEADS, _POSITIONS, _K_ROWS = 0, 2, 4, 6, 8, 19, 20, 23
+
+
+def _fused_layer_cost(*args: Any) -> roofline.Cost:
+    """One fused decoder layer: its four weight matrices once, ``2 T params`` FLOPs, plus attention of each token
+    over ``position + 1`` cached keys (decode: one query per sequence)."""
+    tokens = args[_X].shape[0]
+    mats = [args[i] for i in (_QKV_W, _O_W, _GATE_UP_W, _DOWN_W)]
+    params = sum(int(m.size) for m in mats)
+    kv_heads, head_dim = args[_K_ROWS].shape[1], args[_K_ROWS].shape[2]
+    elem = args[_X].itemsize
+    kv_lens = [int(p) + 1 for p in args[_POSITIONS]]
+    attn = roofline.attention_cost([1] * tokens, kv_lens, int(args[_NUM_Q_HEADS]), kv_heads, head_dim, elem)
+    acts = 4 * tokens * args[_X].shape[1] * elem  # x and h, read and written in place
+    return 2.0 * tokens * params + attn[0], float(sum(int(m.nbytes) for m in mats) + attn[1] + acts)
+
+
+#: (module path, attribute, op name, cost function); a "Class.method" attribute patches the class.
+TARGETS: tuple[tuple[str, str, str, CostFn], ...] = (
+    ("tessera.kernels", "matmul", "matmul", _matmul_cost),
+    ("tessera.kernels", "qmatmul", "qmatmul", _matmul_cost),
+    ("tessera.kernels", "rms_norm", "rms_norm", _rms_norm_cost),
+    ("tessera.kernels", "layer_norm", "layer_norm", _layer_norm_cost),
+    ("tessera.kernels", "qk_norm", "qk_norm", _rms_norm_cost),
+    ("tessera.kernels", "apply_rope", "apply_rope", _rope_cost),
+    ("tessera.kernels", "silu_and_mul", "silu_and_mul", _gated_cost(5.0)),
+    ("tessera.kernels", "gelu_and_mul", "gelu_and_mul", _gated_cost(9.0)),
+    ("tessera.kernels", "gelu", "gelu", _gelu_cost),
+    ("tessera.kernels", "embed", "embed", _embed_cost),
+    ("tessera.kernels", "lm_head", "lm_head", _lm_head_cost),
+    ("tessera.kernels", "moe_mlp", "moe_mlp", _moe_cost),
+    ("tessera.engine.runner", "sample", "sample", _sample_cost),
+    ("tessera.attention.plan", "AttentionPlan.run", "attention", _attention_cost),
+    ("tessera.kv.cache", "PagedKVCache.write", "kv_cache_write", _kv_write_cost),
+    ("tessera.models.fused_decode", "decoder_layer_kernel", "fused_decoder_layer", _fused_layer_cost),
+)
+
+
+@contextlib.contextmanager
+def account_ops(unfused: bool = False, phases: bool = False) -> Iterator[OpAccounting]:
+    """Count every call of the :data:`TARGETS` made inside the block; restore them all on exit, even on errors.
+
+    Parameters
+    ----------
+    unfused : bool
+        Also force the per-op decode path (:func:`force_unfused`), so each op of a decode step shows separately
+        instead of one ``fused_decoder_layer`` per layer.
+    phases : bool
+        Key ops by engine phase, ``"matmul (prefill)"`` / ``"matmul (decode)"``: each engine step
+        (``tessera.engine.runner.forward_step``) sets the phase, ``"decode"`` when every sequence has one new token,
+        else ``"prefill"`` (prompt chunks, mixed batches, draft verification). The step shows as a ``"prefill step"``
+        / ``"decode step"`` range in the trace. Ops before the first step keep their plain names.
+
+    Yields
+    ------
+    OpAccounting
+        Filled in as the block runs. Calls made from inside another accounted op (a kernel calling a kernel) count
+        toward the outer op only, so the op times never overlap.
+
+    Examples
+    --------
+    >>> with account_ops() as acct:
+    ...     llm.generate([prompt], params)
+    >>> [(op.name, op.calls, op.seconds) for op in acct.sorted()[:5]]
+    """
+    acct = OpAccounting()
+    with contextlib.ExitStack() as stack:
+        for module, attr, name, cost in TARGETS:
+            owner, leaf = _resolve(module, attr)
+            stack.enter_context(_patched(owner, leaf, _wrap(getattr(owner, leaf), name, cost, acct)))
+        if unfused:
+            stack.enter_context(force_unfused())
+        if phases:
+            from tessera.engine import runner
+
+            stack.enter_context(_patched(runner, "forward_step", _phase_marker(runner.forward_step, acct)))
+        yield acct
+
+
+def force_unfused() -> contextlib.AbstractContextManager[None]:
+    """Make ``forward_step`` take the per-op path on every step (its fused decode attempt returns None)."""
+    from tessera.models import paged
+
+    return _patched(paged, "fused_layers", _no_fused_layers)
+
+
+def _no_fused_layers(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _resolve(module: str, attr: str) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(module)
+    *path, leaf = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, leaf
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+def _phase_marker(forward_step: Callable[..., Any], acct: OpAccounting) -> Callable[..., Any]:
+    def wrapper(model: Any, cache: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+        acct.phase = "decode" if all(q == 1 for q in step.q_lens) else "prefill"
+        with torch.profiler.record_function(f"{acct.phase} step"):
+            return forward_step(model, cache, step, *args, **kwargs)
+
+    return wrapper
+
+
+def _wrap(original: Callable[..., Any], name: str, cost: CostFn, acct: OpAccounting) -> Callable[..., Any]:
+    """A plain function (so a patched method still binds ``self``) that times, counts and labels ``original``."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if acct._depth:
+            return original(*args, **kwargs)
+        acct._depth += 1
+        try:
+            with torch.profiler.record_function(name):
+                start = time.perf_counter()
+                out = original(*args, **kwargs)
+                seconds = time.perf_counter() - start
+        finally:
+            acct._depth -= 1
+        acct.add(name, seconds, cost(*args, **kwargs))
+        return out
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = getattr(original, "__name__", name)
+    return wrapper

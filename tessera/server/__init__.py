@@ -1,0 +1,6 @@
+"""``tessera serve``: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn). docs/server.md"""
+
+from tessera.server.app import create_app
+from tessera.server.engine_loop import EngineLoop
+
+__all__ = ["EngineLoop", "create_app"]

@@ -1,0 +1,235 @@
+"""The two generation endpoints: OpenAI request -> engine submission -> OpenAI response or SSE stream.
+
+``/v1/completions`` and ``/v1/chat/completions`` differ only in how the prompt is made (as given, or the chat template
+over the messages) and in the shape of their answers, so both run :func:`_prepare` and :func:`_collect`; each has
+its own builders for the final body and for stream chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from tessera.engine import SamplingParams
+from tessera.engine.chat import render_chat
+from tessera.server import protocol as p
+from tessera.server.bridge import EngineCall
+from tessera.server.engine_loop import EngineLoop, Prompt
+
+#: OpenAI's default ``max_tokens`` for legacy completions.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """What the endpoints need besides the request: the engine and the server's limits."""
+
+    engine: EngineLoop
+    model_name: str
+    max_tokens_limit: int
+    chat_template: str | None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's accumulated output (non-streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- shared steps
+def _check_model(settings: ServerSettings, model: str | None) -> None:
+    if model is not None and model != settings.model_name:
+        raise p.APIError(404, f"The model '{model}' does not exist; this server serves '{settings.model_name}' "
+                              "(GET /v1/models)", param="model", code="model_not_found")
+
+
+def _sampling(req: p.SamplingFields, max_tokens: int, logprobs: bool) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so seeded choices differ yet repeat."""
+    try:
+        return [SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                               repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                               frequency_penalty=req.frequency_penalty,
+                               seed=None if req.seed is None else req.seed + i, max_tokens=max_tokens,
+                               stop=list(req.stop or []), ignore_eos=req.ignore_eos, logprobs=logprobs)
+                for i in range(req.n)]
+    except (ValueError, TypeError) as err:
+        raise p.APIError(400, str(err)) from err
+
+
+def _limit(settings: ServerSettings, max_tokens: int | None, param: str) -> int:
+    if max_tokens is not None and max_tokens > settings.max_tokens_limit:
+        raise p.APIError(400, f"{param}={max_tokens} is more than this server allows ({settings.max_tokens_limit}); "
+                              f"ask for at most {settings.max_tokens_limit}", param=param)
+    return settings.max_tokens_limit if max_tokens is None else max_tokens
+
+
+async def _prepare(settings: ServerSettings, prompt: Prompt, params: list[SamplingParams],
+                   fit: bool) -> tuple[EngineCall, int]:
+    call = EngineCall(settings.engine, prompt, params, fit_max_tokens=fit)
+    return call, await call.admitted()
+
+
+async def _collect(call: EngineCall, request: Request) -> list[Choice]:
+    choices = [Choice() for _ in range(call.num_choices)]
+    async for d in call.deltas(request):
+        c = choices[d.index]
+        c.text += d.text
+        c.token_ids += d.token_ids
+        c.logprobs += d.logprobs
+        c.tokens += d.tokens
+        c.finish_reason = d.finish_reason or c.finish_reason
+    return choices
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """``data: {...}`` per chunk, then ``data: [DONE]``; an error after the headers went out becomes an error chunk."""
+    try:
+        async for payload in events:
+            yield _sse(payload)
+    except p.APIError as err:
+        yield _sse(err.body())
+    yield "data: [DONE]\n\n"
+
+
+class EngineStream(StreamingResponse):
+    """An SSE response that cancels its engine call however the response ends.
+
+    Starlette cancels the body's task when the client disconnects; the cancellation reaches the generators only
+    if they were awaiting, not if they were paused at a ``yield``. Cancelling here covers both (a no-op once the
+    call finished), so a vanished client never keeps its KV pages.
+    """
+
+    def __init__(self, call: EngineCall, events: AsyncIterator[dict[str, Any]]) -> None:
+        super().__init__(_sse_stream(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.cancel()
+
+
+# ------------------------------------------------------------------------------------------------ completions
+async def completions(settings: ServerSettings, req: p.CompletionRequest, request: Request) -> Any:
+    """``POST /v1/completions``."""
+    _check_model(settings, req.model)
+    if req.best_of is not None and req.best_of != req.n:
+        raise p.APIError(400, "best_of is not supported (only best_of == n); omit it", param="best_of")
+    wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = _sampling(req, _limit(settings, wanted, "max_tokens"), logprobs=req.logprobs is not None)
+    call, prompt_tokens = await _prepare(settings, req.prompt, params, fit=False)
+    rid, created = p.new_id("cmpl"), p.now()
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return EngineStream(call, _completion_chunks(call, settings.model_name, rid, created, prompt_tokens, usage))
+    choices = await _collect(call, request)
+    return p.CompletionResponse(
+        id=rid, created=created, model=settings.model_name,
+        choices=[p.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                    logprobs=_completion_logprobs(c.tokens, c.logprobs) if params[0].logprobs
+                                    else None) for i, c in enumerate(choices)],
+        usage=p.Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
+
+
+def _completion_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0) -> dict[str, Any]:
+    # Only the sampled token's logprob exists (the engine reports no alternatives), so top_logprobs holds it alone.
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return p.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets,
+                                top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)]).model_dump()
+
+
+async def _completion_chunks(call: EngineCall, model: str, rid: str, created: int, prompt_tokens: int,
+                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    generated = 0
+    offsets = [0] * call.num_choices
+    async for d in call.deltas():
+        generated += len(d.token_ids)
+        if not d.text and d.finish_reason is None and not d.tokens:
+            continue
+        logprobs = _completion_logprobs(d.tokens, d.logprobs, offsets[d.index]) if d.tokens else None
+        offsets[d.index] += sum(len(t) for t in d.tokens)
+        choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+               **({"usage": None} if include_usage else {})}
+    if include_usage:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": p.Usage.of(prompt_tokens, generated).model_dump()}
+
+
+# ----------------------------------------------------------------------------------------------------- chat
+async def chat_completions(settings: ServerSettings, req: p.ChatCompletionRequest, request: Request) -> Any:
+    """``POST /v1/chat/completions``: the chat template renders the messages, then as completions."""
+    _check_model(settings, req.model)
+    if settings.chat_template is None:
+        raise p.APIError(400, "This model has no chat template; use /v1/completions with a rendered prompt",
+                         param="messages")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limit = req.token_limit
+    params = _sampling(req, _limit(settings, limit, param), logprobs=req.logprobs)
+    try:
+        prompt = render_chat(settings.chat_template, [{"role": m.role, "content": m.text()} for m in req.messages])
+    except Exception as err:  # the template is the checkpoint's code: any error it raises means a bad conversation
+        raise p.APIError(400, f"The chat template refused the messages: {err}", param="messages") from err
+    call, prompt_tokens = await _prepare(settings, prompt, params, fit=limit is None)
+    rid, created = p.new_id("chatcmpl"), p.now()
+    top = req.top_logprobs or 0
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return EngineStream(call, _chat_chunks(call, settings.model_name, rid, created, prompt_tokens, usage, top))
+    choices = await _collect(call, request)
+    return p.ChatCompletionResponse(
+        id=rid, created=created, model=settings.model_name,
+        choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                              logprobs=_chat_logprobs(c.tokens, c.logprobs, top) if req.logprobs else None)
+                 for i, c in enumerate(choices)],
+        usage=p.Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
+
+
+def _chat_logprobs(tokens: list[str], logprobs: list[float], top: int) -> p.ChatLogprobs:
+    # The sampled token is the only alternative the engine reports: top_logprobs holds it when top >= 1.
+    content = []
+    for t, lp in zip(tokens, logprobs):
+        raw = list(t.encode("utf-8"))
+        alternatives = [p.TopLogprob(token=t, logprob=lp, bytes=raw)] if top else []
+        content.append(p.TokenLogprob(token=t, logprob=lp, bytes=raw, top_logprobs=alternatives))
+    return p.ChatLogprobs(content=content)
+
+
+async def _chat_chunks(call: EngineCall, model: str, rid: str, created: int, prompt_tokens: int,
+                       include_usage: bool, top: int) -> AsyncIterator[dict[str, Any]]:
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    tail = {"usage": None} if include_usage else {}
+    for i in range(call.num_choices):  # OpenAI opens each choice with the role
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}], **tail}
+    generated = 0
+    async for d in call.deltas():
+        generated += len(d.token_ids)
+        if not d.text and d.finish_reason is None and not d.tokens:
+            continue
+        logprobs = _chat_logprobs(d.tokens, d.logprobs, top).model_dump() if d.tokens else None
+        delta = {"content": d.text} if d.text or d.tokens else {}
+        yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": d.finish_reason}], **tail}
+    if include_usage:
+        yield {**head, "choices": [], "usage": p.Usage.of(prompt_tokens, generated).model_dump()}
+

@@ -1,0 +1,275 @@
+"""The OpenAI wire format: request bodies (validated with pydantic), response bodies, and OpenAI-style errors.
+
+Only what the server implements is modelled. Fields OpenAI defines that we cannot honour (``echo``, ``logit_bias``,
+``tools``, ...) are accepted only at their "off" value, so a client never silently gets something it did not ask for;
+unknown extra fields are ignored, as OpenAI's own server does for forward compatibility.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: Most choices one request may ask for (each is an engine request).
+MAX_N = 64
+#: Most strings in ``stop``, as OpenAI allows.
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An error the server reports as ``{"error": {"message", "type", "param", "code"}}`` with ``status``.
+
+    Examples
+    --------
+    >>> raise APIError(404, "The model 'x' does not exist", code="model_not_found", param="model")
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------------------------------------ requests
+class _Request(BaseModel):
+    # Unknown fields are ignored (OpenAI adds fields often); wrong types are errors (400).
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields shared by both endpoints, with OpenAI's ranges; ``top_k``, ``min_p``, ``repetition_penalty`` and
+    ``ignore_eos`` are vLLM's extensions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)  # what torch.Generator accepts, for seed + i
+    user: str | None = None
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP or not all(stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported by this server; omit it")
+        return bias
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of one string, or token ids (a list of ints, or a list of
+    one list of ints); batches of several prompts are refused (send one request each, or use ``n``)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f"a list of {len(prompt)} prompts is not supported; send one prompt per request")
+            prompt = prompt[0]
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported by this server; omit it")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported by this server; omit it")
+        return suffix
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined, as OpenAI does)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``; the messages are rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise ValueError("tools (function calling) are not supported by this server; omit them")
+        return tools
+
+    @property
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (the current name) or else ``max_tokens`` (the deprecated one)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ----------------------------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = []
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tessera"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-looking response id, e.g. ``cmpl-1f0c...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

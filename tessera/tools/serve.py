@@ -1,0 +1,81 @@
+"""``tessera serve``: load a model and serve the OpenAI API (completions, chat, models) over HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+API_KEY_ENV = "TESSERA_API_KEY"
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("serve", help="OpenAI-compatible HTTP server (docs/server.md)")
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--served-model-name", help="the model id clients name (default: the file or directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens per engine step at most")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, help="KV pages (default: from --kv-cache-memory-mib)")
+    p.add_argument("--kv-cache-memory-mib", type=int, default=256, help="KV cache size when --num-pages is unset")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of shared prompt prefixes")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; more get 503")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens allowed (default: the context length)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds to let open requests finish on shutdown before aborting them")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=_run)
+
+
+def model_name(path: str | Path | None) -> str:
+    """The default served name: the GGUF file's stem or the checkpoint directory's name."""
+    if path is None:
+        from tessera.models.model import default_model_path
+
+        path = default_model_path()
+    path = Path(path)
+    return path.stem if path.is_file() else path.resolve().name
+
+
+def make_server(args: argparse.Namespace) -> Any:
+    """The configured ``uvicorn.Server`` (model loaded, not yet running); ``server.run()`` serves."""
+    import uvicorn
+
+    from tessera.engine import LLM
+    from tessera.server import create_app
+
+    llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+              kv_cache_memory=args.kv_cache_memory_mib * 2**20, enable_prefix_caching=not args.no_prefix_caching)
+    app = create_app(llm, args.served_model_name or model_name(args.model), api_key=args.api_key,
+                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                     max_tokens_limit=args.max_tokens_limit)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.graceful_timeout, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def _exposed(host: str) -> bool:
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host != "localhost"
+
+
+def _run(args: argparse.Namespace) -> int:
+    if _exposed(args.host) and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr)
+    server = make_server(args)
+    server.run()
+    return 0

@@ -1,0 +1,56 @@
+"""The server over the real SmolLM2-135M-Instruct: its chat template, a byte-level tokenizer's usage counts and
+streaming of multi-byte characters."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.engine import LLM
+from tessera.engine.chat import render_chat
+from tessera.models.model import default_model_path
+from tessera.server import create_app
+from tessera.tools.serve import model_name
+from tests.server.conftest import Running, run_server
+
+MESSAGES = [{"role": "user", "content": "Name three colours. Use emoji 🎨 too."}]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    try:
+        path = default_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    llm = LLM(path, num_pages=64, page_size=16, max_num_seqs=4)
+    app = create_app(llm, model_name(path))
+    with run_server(app) as url:
+        yield Running(url, app, app.state.engine), llm
+
+
+def test_chat_usage_and_stream(smol):
+    running, llm = smol
+    client = running.client()
+    name = client.models.list().data[0].id
+    assert name == default_model_path().stem
+    whole = client.chat.completions.create(model=name, messages=MESSAGES, temperature=0.0, max_tokens=12)
+    prompt = render_chat(llm.model.chat_template, MESSAGES)
+    assert whole.usage.prompt_tokens == len(llm.tokenizer.encode(prompt).ids)
+    chunks = list(client.chat.completions.create(model=name, messages=MESSAGES, temperature=0.0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    assert "\ufffd" not in text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completion_text_matches_engine(smol):
+    running, llm = smol
+    client = running.client()
+    out = client.completions.create(model=running.app.state.settings.model_name, prompt="The capital of France is",
+                                    temperature=0.0, max_tokens=8)
+    ids = llm.tokenizer.encode("The capital of France is").ids
+    assert out.usage.prompt_tokens == len(ids)
+    # the loop thread is idle now (nothing in flight), so reading the model from this thread is safe
+    expected = llm.model.greedy(ids, 8)
+    assert out.usage.completion_tokens == len(expected)
+    assert out.choices[0].text == llm.tokenizer.decode(expected, skip_special_tokens=True)
