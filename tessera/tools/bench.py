@@ -34,6 +34,7 @@ def add_parser(commands) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads would spin against Numba's
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws a raw tqdm bar into the tables
     if args.what and args.what[0] in ACTIONS:
         action, files = args.what[0], args.what[1:]
         return _compare(files, args) if action == "compare" else _plot(files, args)
