@@ -166,7 +166,8 @@ class LLM:
         bm, sched = self.block_manager, self.scheduler
         prompt = sched.num_prompt_tokens
         return {
-            "num_waiting": len(sched.waiting),
+            # sequences, counting the samples that will fork from a waiting request (n > 1)
+            "num_waiting": sum(1 + len(s.pending_children) for s in sched.waiting),
             "num_running": len(sched.running),
             "kv_pages_total": bm.num_pages,
             "kv_pages_free": bm.num_free_pages,

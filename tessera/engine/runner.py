@@ -59,8 +59,9 @@ class Runner:
         for r, item in enumerate(out.scheduled):
             if item.samples:  # the other samples of a parallel-sampling request draw from the same logits row
                 for seq in (item.seq, *item.seq.pending_children):
-                    rows.append(r)
-                    seqs.append(seq)
+                    if seq is item.seq or not seq.is_finished:  # a sample aborted before its fork draws nothing
+                        rows.append(r)
+                        seqs.append(seq)
         if not rows:
             return {}
         ids, logprobs = sample(

@@ -187,6 +187,8 @@ class Scheduler:
             if not item.samples:
                 continue
             for child in seq.pending_children:  # parallel sampling: the prompt is computed, the other samples fork
+                if child.is_finished:
+                    continue  # aborted before its fork
                 self.block_manager.fork(seq.seq_id, child.seq_id)
                 child.num_computed = seq.num_computed
                 child.num_cached_tokens = seq.num_cached_tokens

@@ -97,6 +97,18 @@ class _Live:
         self.last_token_time: float | None = None
 
 
+def _one_group(params: list[SamplingParams]) -> bool:
+    """Whether ``params`` are the ``n`` samples of one request: equal but for seeds ``seed + i`` (or no seeds), which
+    is exactly what the engine's ``SamplingParams.n`` runs (sample ``i`` draws with ``seed + i``)."""
+    if len(params) < 2 or any(p.n != 1 for p in params):
+        return False
+    first = params[0]
+    base = dataclasses.replace(first, seed=None)
+    seeds_ok = all(p.seed is None for p in params) if first.seed is None else all(
+        p.seed == first.seed + i for i, p in enumerate(params))
+    return seeds_ok and all(dataclasses.replace(p, seed=None) == base for p in params)
+
+
 class EngineLoop:
     """Owns an :class:`LLM` on a background thread and serves submissions from any thread.
 
@@ -232,8 +244,12 @@ class EngineLoop:
         try:
             ids = self._tokenize(sub.prompt)
             params = self._fit(sub.params, len(ids)) if sub.fit_max_tokens else sub.params
-            for p in params:
-                sub.seqs.append(self.llm.add_request(ids, p))
+            if _one_group(params):  # n choices of one request: the engine computes the prompt once and shares it
+                seq = self.llm.add_request(ids, dataclasses.replace(params[0], n=len(params)))
+                sub.seqs.extend(seq.group)
+            else:
+                for p in params:
+                    sub.seqs.append(self.llm.add_request(ids, p))
         except Exception as err:  # noqa: BLE001  ValueError / TypeError (a bad request) or a tokenizer's error:
             # it fails this submission only, and nothing of it may stay queued
             for seq in sub.seqs:

@@ -75,3 +75,16 @@ def test_bad_n(make_llm):
         make_llm(max_num_seqs=2).generate([[1, 2]], SamplingParams(n=3))
     with pytest.raises(ValueError, match="n=2"):
         next(make_llm().stream([1, 2], SamplingParams(n=2)))
+
+
+def test_a_sample_aborted_before_its_fork_is_skipped(make_llm, tiny_model):
+    prompt = random_prompts([7], seed=9)[0]
+    llm = make_llm()
+    seq = llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=5, n=3, ignore_eos=True))
+    llm.abort(seq.group[1])  # still pending inside sample 0
+    while not seq.group_finished:
+        llm.step()
+    want = tiny_model.greedy(prompt, 5)
+    assert [o.finish_reason for o in seq.output().outputs] == ["length", "abort", "length"]
+    assert seq.output().outputs[0].token_ids == seq.output().outputs[2].token_ids == want
+    assert seq.group[1].output_ids == [] and llm.block_manager.num_free_pages == llm.block_manager.num_pages
