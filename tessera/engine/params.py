@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from tessera.kernels.sampling import SamplingParams as KernelSamplingParams
 
+#: the most alternatives per token a request may ask for (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(slots=True)
 class SamplingParams(KernelSamplingParams):
@@ -20,7 +23,11 @@ class SamplingParams(KernelSamplingParams):
     stop_token_ids : token ids that end generation (besides the model's EOS unless ``ignore_eos``); the token is
         kept in ``token_ids`` but not in the text.
     ignore_eos : keep generating past the model's EOS tokens.
-    logprobs : report the sampled token's log-probability at each step.
+    logprobs : report each generated token's log-probability under the model's distribution: the log-softmax of
+        the logits before penalties, temperature and top-k/top-p/min-p filtering (what OpenAI's API and vLLM report;
+        a greedy token's logprob is then its real probability, not 0).
+    top_logprobs : also report the ``top_logprobs`` most likely tokens of that distribution at each step (0..20);
+        implies ``logprobs``.
     n : independent samples of the prompt (parallel sampling). The prompt is computed once; the samples share its KV
         pages and copy a shared partial page only when they first write to it. With a seed, sample ``i`` draws from
         its own generator seeded ``seed + i`` (so it equals a request with that seed and ``n = 1``).
@@ -35,6 +42,7 @@ class SamplingParams(KernelSamplingParams):
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -43,6 +51,12 @@ class SamplingParams(KernelSamplingParams):
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or not (
+                0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"SamplingParams.top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs!r}")
+        if self.top_logprobs:
+            self.logprobs = True
         if isinstance(self.stop, str):
             self.stop = [self.stop]  # a lone string is a common slip; it means one stop string
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -60,6 +74,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)
@@ -74,7 +89,10 @@ class RequestOutput:
     text : detokenized generated text, stop string trimmed ("" when the model has no tokenizer).
     finish_reason : "stop" (EOS, stop token or stop string), "length" (max_tokens or context full), "abort"
         (:meth:`LLM.abort`), or None while running.
-    logprobs : log-probability of each generated token under the distribution it was drawn from (if asked).
+    logprobs : each generated token's log-probability under the model's distribution (if asked; see
+        :class:`SamplingParams`).
+    top_logprobs : per generated token, the ``top_logprobs`` most likely ``(token id, logprob)`` pairs, most likely
+        first (if asked).
     num_cached_tokens : prompt tokens served from the prefix cache at the first admission.
     num_preemptions : times the request was preempted and recomputed.
     time_to_first_token, latency : seconds from arrival to the first token and to the finish (of the last sample).
@@ -88,6 +106,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     time_to_first_token: float | None = None

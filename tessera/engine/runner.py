@@ -49,8 +49,9 @@ class Runner:
                          torch.tensor(slots, dtype=torch.int64))
 
     def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float]]:
-        """Run one step; return ``seq_id -> (token id, logprob)`` for each sequence that reached its end (and for the
-        samples that fork from it when its prompt completes, ``n > 1``)."""
+        """Run one step; return ``seq_id -> (token id, logprob, top alternatives or None)`` for each sequence that
+        reached its end (and for the samples that fork from it when its prompt completes, ``n > 1``). The logprob is
+        0.0 unless the request asked for logprobs."""
         if not out.scheduled:
             return {}
         self.copy_pages(out.page_copies)
@@ -64,9 +65,21 @@ class Runner:
                         seqs.append(seq)
         if not rows:
             return {}
-        ids, logprobs = sample(
+        ids, _ = sample(
             logits[rows], [s.params for s in seqs],
             token_counts=[s.token_ids if s.params.has_penalties else None for s in seqs],
             generators=[s.generator for s in seqs], backend=self.model.backend,
         )
-        return {s.seq_id: (int(t), float(lp)) for s, t, lp in zip(seqs, ids.tolist(), logprobs.tolist())}
+        ids_list = ids.tolist()
+        results = {s.seq_id: (t, 0.0, None) for s, t in zip(seqs, ids_list)}
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        if want:  # the model's distribution (before penalties, temperature, filters), as OpenAI and vLLM report
+            logp = torch.log_softmax(logits[[rows[i] for i in want]].float(), dim=-1)
+            picked = logp.gather(1, torch.tensor([[ids_list[i]] for i in want])).squeeze(1).tolist()
+            k = max(seqs[i].params.top_logprobs for i in want)
+            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+            for row, i in enumerate(want):
+                n = seqs[i].params.top_logprobs
+                top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else None
+                results[seqs[i].seq_id] = (ids_list[i], picked[row], top)
+        return results

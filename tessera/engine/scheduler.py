@@ -177,7 +177,8 @@ class Scheduler:
         Parameters
         ----------
         out : this step's :meth:`schedule` result, after the forward wrote the KV of every scheduled token.
-        sampled : ``seq_id -> (token id, logprob)`` for each scheduled sequence whose chunk reached its end.
+        sampled : ``seq_id -> (token id, logprob[, top alternatives])`` for each scheduled sequence whose chunk
+            reached its end.
         """
         finished = []
         for item in out.scheduled:
@@ -199,7 +200,7 @@ class Scheduler:
             self._record(seq, sampled[seq.seq_id], finished)
         return finished
 
-    def _record(self, seq: Sequence, token: tuple[int, float], finished: list[Sequence]) -> None:
+    def _record(self, seq: Sequence, token: tuple, finished: list[Sequence]) -> None:
         seq.append_token(*token)
         if seq.is_finished:
             self.running.remove(seq)

@@ -52,6 +52,7 @@ class Sequence:
         self.params = params
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_cached_tokens: int | None = None  # prefix hits at the first admission
@@ -89,13 +90,15 @@ class Sequence:
         """Every sample of the request has finished (the same as :attr:`is_finished` when ``n = 1``)."""
         return all(s.is_finished for s in self.group)
 
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         """Record a sampled token, extend the text, and decide whether the request is done."""
         now = time.perf_counter()
         self.first_token_time = self.first_token_time or now
         self.output_ids.append(token_id)
         if self.params.logprobs:
             self.logprobs.append(logprob)
+        if self.params.top_logprobs:
+            self.top_logprobs.append(top or [])
         if token_id in self._stop_ids:
             self._finish("stop", now)
             return
@@ -118,7 +121,8 @@ class Sequence:
     def completion(self) -> CompletionOutput:
         """This sample's part of the output."""
         return CompletionOutput(self.sample_index, list(self.output_ids), self.text, self.finish_reason,
-                                list(self.logprobs) if self.params.logprobs else None)
+                                list(self.logprobs) if self.params.logprobs else None,
+                                list(self.top_logprobs) if self.params.top_logprobs else None)
 
     def output(self) -> RequestOutput:
         """A snapshot of the request (all its samples when called on sample 0) as a :class:`RequestOutput`."""
@@ -130,6 +134,7 @@ class Sequence:
             request_id=self.request_id, prompt_tokens=list(self.prompt_ids), token_ids=list(self.output_ids),
             text=self.text, finish_reason=self.finish_reason,
             logprobs=list(self.logprobs) if self.params.logprobs else None,
+            top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
             num_cached_tokens=self.num_cached_tokens or 0, num_preemptions=sum(s.num_preemptions for s in self.group),
             time_to_first_token=ttft, latency=latency, outputs=[s.completion() for s in self.group],
         )

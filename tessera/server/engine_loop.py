@@ -62,6 +62,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
+    top: list[list[tuple[str, float]]] = field(default_factory=list)  # per token: most likely (text, logprob) first
     finish_reason: str | None = None
 
 
@@ -303,6 +304,9 @@ class EngineLoop:
         if seq.params.logprobs:
             delta.logprobs = seq.logprobs[live.sent_tokens:]
             delta.tokens = [self._token_text(t) for t in new_ids]
+        if seq.params.top_logprobs:
+            delta.top = [[(self._token_text(t), lp) for t, lp in alts]
+                         for alts in seq.top_logprobs[live.sent_tokens:]]
         live.sent_chars, live.sent_tokens = safe, len(seq.output_ids)
         self._count_tokens(live, len(new_ids), now)
         if finished:

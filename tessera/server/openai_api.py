@@ -43,6 +43,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
+    top: list[list[tuple[str, float]]] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -53,14 +54,15 @@ def _check_model(settings: ServerSettings, model: str | None) -> None:
                               "(GET /v1/models)", param="model", code="model_not_found")
 
 
-def _sampling(req: p.SamplingFields, max_tokens: int, logprobs: bool) -> list[SamplingParams]:
+def _sampling(req: p.SamplingFields, max_tokens: int, logprobs: bool, top: int = 0) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so seeded choices differ yet repeat."""
     try:
         return [SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty,
                                seed=None if req.seed is None else req.seed + i, max_tokens=max_tokens,
-                               stop=list(req.stop or []), ignore_eos=req.ignore_eos, logprobs=logprobs)
+                               stop=list(req.stop or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
+                               top_logprobs=top)
                 for i in range(req.n)]
     except (ValueError, TypeError) as err:
         raise p.APIError(400, str(err)) from err
@@ -87,6 +89,7 @@ async def _collect(call: EngineCall, request: Request) -> list[Choice]:
         c.token_ids += d.token_ids
         c.logprobs += d.logprobs
         c.tokens += d.tokens
+        c.top += d.top
         c.finish_reason = d.finish_reason or c.finish_reason
     return choices
 
@@ -132,7 +135,8 @@ async def completions(settings: ServerSettings, req: p.CompletionRequest, reques
     if req.best_of is not None and req.best_of != req.n:
         raise p.APIError(400, "best_of is not supported (only best_of == n); omit it", param="best_of")
     wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = _sampling(req, _limit(settings, wanted, "max_tokens"), logprobs=req.logprobs is not None)
+    params = _sampling(req, _limit(settings, wanted, "max_tokens"), logprobs=req.logprobs is not None,
+                       top=req.logprobs or 0)
     call, prompt_tokens = await _prepare(settings, req.prompt, params, fit=False)
     rid, created = p.new_id("cmpl"), p.now()
     if req.stream:
@@ -142,19 +146,27 @@ async def completions(settings: ServerSettings, req: p.CompletionRequest, reques
     return p.CompletionResponse(
         id=rid, created=created, model=settings.model_name,
         choices=[p.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                    logprobs=_completion_logprobs(c.tokens, c.logprobs) if params[0].logprobs
+                                    logprobs=_completion_logprobs(c.tokens, c.logprobs, c.top)
+                                    if params[0].logprobs
                                     else None) for i, c in enumerate(choices)],
         usage=p.Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
 
 
-def _completion_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0) -> dict[str, Any]:
-    # Only the sampled token's logprob exists (the engine reports no alternatives), so top_logprobs holds it alone.
+def _completion_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tuple[str, float]]],
+                         offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: per token its text, logprob, offset, and a dict of the ``logprobs`` most likely
+    tokens plus the sampled one (as vLLM: up to ``logprobs + 1`` entries)."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
+    tops = []
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        alternatives = dict(top[i]) if i < len(top) else {}
+        alternatives.setdefault(t, lp)
+        tops.append(alternatives)
     return p.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets,
-                                top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)]).model_dump()
+                                top_logprobs=tops).model_dump()
 
 
 async def _completion_chunks(call: EngineCall, model: str, rid: str, created: int, prompt_tokens: int,
@@ -165,7 +177,7 @@ async def _completion_chunks(call: EngineCall, model: str, rid: str, created: in
         generated += len(d.token_ids)
         if not d.text and d.finish_reason is None and not d.tokens:
             continue
-        logprobs = _completion_logprobs(d.tokens, d.logprobs, offsets[d.index]) if d.tokens else None
+        logprobs = _completion_logprobs(d.tokens, d.logprobs, d.top, offsets[d.index]) if d.tokens else None
         offsets[d.index] += sum(len(t) for t in d.tokens)
         choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
@@ -184,7 +196,8 @@ async def chat_completions(settings: ServerSettings, req: p.ChatCompletionReques
                          param="messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.token_limit
-    params = _sampling(req, _limit(settings, limit, param), logprobs=req.logprobs)
+    params = _sampling(req, _limit(settings, limit, param), logprobs=req.logprobs,
+                       top=(req.top_logprobs or 0) if req.logprobs else 0)
     try:
         prompt = render_chat(settings.chat_template, [{"role": m.role, "content": m.text()} for m in req.messages])
     except Exception as err:  # the template is the checkpoint's code: any error it raises means a bad conversation
@@ -199,18 +212,18 @@ async def chat_completions(settings: ServerSettings, req: p.ChatCompletionReques
     return p.ChatCompletionResponse(
         id=rid, created=created, model=settings.model_name,
         choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                              logprobs=_chat_logprobs(c.tokens, c.logprobs, top) if req.logprobs else None)
+                              logprobs=_chat_logprobs(c.tokens, c.logprobs, c.top) if req.logprobs else None)
                  for i, c in enumerate(choices)],
         usage=p.Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
 
 
-def _chat_logprobs(tokens: list[str], logprobs: list[float], top: int) -> p.ChatLogprobs:
-    # The sampled token is the only alternative the engine reports: top_logprobs holds it when top >= 1.
+def _chat_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tuple[str, float]]]) -> p.ChatLogprobs:
+    """Per token: its text, logprob, UTF-8 bytes, and the ``top_logprobs`` most likely tokens (most likely first)."""
     content = []
-    for t, lp in zip(tokens, logprobs):
-        raw = list(t.encode("utf-8"))
-        alternatives = [p.TopLogprob(token=t, logprob=lp, bytes=raw)] if top else []
-        content.append(p.TokenLogprob(token=t, logprob=lp, bytes=raw, top_logprobs=alternatives))
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        alternatives = [p.TopLogprob(token=a, logprob=alp, bytes=list(a.encode("utf-8")))
+                        for a, alp in (top[i] if i < len(top) else [])]
+        content.append(p.TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")), top_logprobs=alternatives))
     return p.ChatLogprobs(content=content)
 
 
@@ -226,7 +239,7 @@ async def _chat_chunks(call: EngineCall, model: str, rid: str, created: int, pro
         generated += len(d.token_ids)
         if not d.text and d.finish_reason is None and not d.tokens:
             continue
-        logprobs = _chat_logprobs(d.tokens, d.logprobs, top).model_dump() if d.tokens else None
+        logprobs = _chat_logprobs(d.tokens, d.logprobs, d.top).model_dump() if d.tokens else None
         delta = {"content": d.text} if d.text or d.tokens else {}
         yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": d.finish_reason}], **tail}

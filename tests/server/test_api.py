@@ -109,11 +109,15 @@ def test_stop_string(client, as_list):
 
 
 def test_completion_logprobs(client):
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=1, **GREEDY)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=2, **GREEDY)
     lp = out.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
-    assert all(x <= 0 for x in lp.token_logprobs)
-    assert [list(d) for d in lp.top_logprobs] == [[t] for t in lp.tokens]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    # the model's distribution, not the greedy sampler's: a greedy token has a real (negative) logprob
+    assert all(x < 0 for x in lp.token_logprobs)
+    for token, logprob, alternatives in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in alternatives and 1 <= len(alternatives) <= 3  # the 2 most likely, plus the sampled one
+        assert alternatives[token] == pytest.approx(logprob, abs=1e-6)
+        assert logprob == pytest.approx(max(alternatives.values()), abs=1e-6)  # greedy: the sampled token leads
     text = "".join(t for t in lp.tokens if t != "</s>")
     assert text == out.choices[0].text and lp.text_offset[0] == 0
 
@@ -124,13 +128,17 @@ def test_chat_logprobs_stream_and_whole(client):
     whole = client.chat.completions.create(**args).choices[0]
     content = whole.logprobs.content
     assert "".join(c.token for c in content if c.token != "</s>") == whole.message.content
-    assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] and c.logprob <= 0 for c in content)
+    assert all(c.bytes == list(c.token.encode()) and c.top_logprobs == [] and c.logprob < 0 for c in content)
     streamed = [t for chunk in client.chat.completions.create(stream=True, **args) for c in chunk.choices
                 if c.logprobs for t in c.logprobs.content]
     assert [t.token for t in streamed] == [c.token for c in content]
     assert [t.logprob for t in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
-    top = client.chat.completions.create(**args, top_logprobs=2).choices[0].logprobs.content
-    assert all([x.token for x in t.top_logprobs] == [t.token] for t in top)
+    top = client.chat.completions.create(**args, top_logprobs=3).choices[0].logprobs.content
+    for t in top:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the most likely first
+        values = [x.logprob for x in t.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] == pytest.approx(t.logprob, abs=1e-6)
+        assert all(x.bytes == list(x.token.encode()) for x in t.top_logprobs)
 
 
 def test_penalties_change_the_output(client):
