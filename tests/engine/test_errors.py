@@ -45,3 +45,11 @@ def test_text_prompt_without_tokenizer(make_llm):
 def test_request_larger_than_the_cache(make_llm):
     with pytest.raises(ValueError, match="request 0: prompt \\+ max_tokens need 5 KV pages but the cache has 4"):
         make_llm(num_pages=4).generate([[4] * 10], SamplingParams(max_tokens=10))
+
+
+def test_top_level_names_as_the_issue_spells_them():
+    import tessera
+    from tessera.engine import LLM, SamplingParams
+
+    assert tessera.LLM is LLM and tessera.SamplingParams is SamplingParams
+    assert tessera.RequestOutput.__name__ == "RequestOutput" and callable(tessera.load_model)
