@@ -85,3 +85,22 @@ def test_cli_generate_streams_and_reports_speed(capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()  # some text was streamed
     assert "prefill" in captured.err and "decode" in captured.err and "tok/s" in captured.err
+
+
+def test_batched_greedy_equals_transformers_for_32_tokens(llm):
+    """The issue's end-to-end check: the engine's batched greedy continuation equals transformers' ``generate`` on
+    the same (de-quantized) weights, token for token, for 32 tokens."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    prompts = PROMPTS + ["List three colours:"]
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))  # both stop at EOS, keeping it
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([llm.tokenizer.encode(prompt).ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                              pad_token_id=0)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
