@@ -18,10 +18,12 @@ from tessera import kernels as K
 from tessera.backends.cpu.decode_layer import decoder_layer_kernel
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.ops.quant import SERIAL_WORK, SMALL_M
+from tessera.kernels.quant import QuantizedWeight
 from tessera.models.config import ModelConfig
 from tessera.models.layers import norm
 
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _VIEWS_ATTR = "_fused_decode_views"
 
 
@@ -37,10 +39,24 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
         return "mixture-of-experts layers"
     dtype = weights["embed"].dtype
     for name, t in weights.items():
-        if name.startswith("layers.") and not (isinstance(t, torch.Tensor) and t.dtype == dtype
-                                               and t.device.type == "cpu" and t.is_contiguous()):
-            return f"weight {name} is not a contiguous {dtype} CPU tensor (quantized or mixed dtypes)"
+        if not name.startswith("layers."):
+            continue
+        if isinstance(t, QuantizedWeight):
+            if name.rsplit(".", 2)[-2] not in _PROJECTIONS or t.fmt not in ("int4", "int4_min"):
+                return f"weight {name} is {t.fmt}: the fused kernel takes float and int4 / int4_min projections"
+            if t.group_size < 32 or t.group_size & (t.group_size - 1) or t.device.type != "cpu":
+                return f"weight {name}: int4 group size {t.group_size} (the int4 GEMV takes powers of two >= 32)"
+        elif not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()):
+            return f"weight {name} is not a contiguous {dtype} CPU tensor (mixed dtypes)"
     return None
+
+
+def _weight_view(w):
+    """A projection as the kernel takes it: a float storage array, or an int4 weight tuple."""
+    if isinstance(w, QuantizedWeight):
+        offsets = w.mins if w.fmt == "int4_min" else w.zeros
+        return (w.data.numpy(), w.scales.numpy(), offsets.numpy(), w.group_size, w.fmt == "int4_min")
+    return storage_view(w.detach())
 
 
 def _layer_views(model) -> list[tuple] | None:
@@ -53,8 +69,10 @@ def _layer_views(model) -> list[tuple] | None:
     if unsupported_reason(config, w) is None:
         absent = storage_view(torch.zeros(0, dtype=model.dtype))
 
-        def get(name: str) -> np.ndarray:
-            return storage_view(w[name].detach()) if name in w else absent
+        def get(name: str):
+            if name not in w:
+                return absent
+            return _weight_view(w[name]) if name.rsplit(".", 2)[-2] in _PROJECTIONS else storage_view(w[name].detach())
 
         views = []
         for i in range(config.num_layers):
@@ -74,9 +92,10 @@ def _layer_views(model) -> list[tuple] | None:
     return views
 
 
-def _largest_gemv(views: list[tuple]) -> int:
-    """Multiply-adds of the layer's biggest weight at one row of x."""
-    return max(v.shape[0] * v.shape[1] for layer in views[:1] for v in (layer[0], layer[2], layer[4], layer[6]))
+def _largest_gemv(weights: dict) -> int:
+    """Multiply-adds of the biggest projection at one row of x."""
+    return max(int(w.shape[0]) * int(w.shape[1]) for name, w in weights.items()
+               if name.startswith("layers.") and name.rsplit(".", 2)[-2] in _PROJECTIONS and name.endswith("weight"))
 
 
 def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_for) -> torch.Tensor | None:
@@ -92,7 +111,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     if min(step.q_lens) != 1 or not ropes:
         return None
     views = _layer_views(model)
-    if views is None or t_count * _largest_gemv(views) >= SERIAL_WORK:
+    if views is None or t_count * _largest_gemv(model.weights) >= SERIAL_WORK:
         return None  # the kernel is serial; bigger GEMVs run faster over all cores in the per-op path
     states = {}
     for i in range(config.num_layers):

@@ -113,3 +113,31 @@ def test_unsupported_families_name_the_reason(name, tmp_path):
     model = load_model(tmp_path)
     reason = unsupported_reason(model.config, model.weights)
     assert reason and ("norm" in reason or "experts" in reason)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4_min"])
+def test_fused_decode_with_int4_projections(fmt, tmp_path, fused_calls):
+    """Packed int4 projections (as a GGUF Q4_0 / Q4_1 model keeps them) run through the fused kernel too."""
+    from tessera.kernels import quantize
+
+    config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny(transformers.LlamaForCausalLM, config, tmp_path)
+    model = load_model(tmp_path)
+    for i in range(2):
+        for name in ("qkv", "o", "gate_up", "down"):  # down has K = 96: an odd number of 32-groups (the tail path)
+            key = f"layers.{i}.{name}.weight"
+            model.weights[key] = quantize(model.weights[key], fmt, 32)
+    gen = torch.Generator().manual_seed(7)
+    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((6, 9))}
+    tables = {0: [5, 1, 3], 1: [2, 7, 0, 4]}
+    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+    for _ in range(3):
+        step = _step({s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}, {0: 1, 1: 1}, tables)
+        fused = forward_step(model, caches[0], step)
+        per_op = forward_step(model, caches[1], step, fused=False)
+        torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)  # x's group sums: another summation order
+        seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
+    assert fused_calls == [True] * 3

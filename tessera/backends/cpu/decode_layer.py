@@ -16,11 +16,13 @@ sequences): exactly when the per-op path would run every kernel serially too.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core.extending import overload
 
 from tessera.backends.cpu.decode_kernel import _decode_item
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
+from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
@@ -39,22 +41,62 @@ def _widened(x):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _linear(x, w, b, like):  # pragma: no cover - compiled
-    """``x @ w.T (+ b)`` for storage ``x [T, K]`` and ``w [N, K]``: float32 GEMV, rounded to ``like``'s storage type,
-    then the bias added and rounded again (torch's ``out + bias`` in the model dtype)."""
-    xf = _widened(x)
-    n = w.shape[0]
-    acc = np.empty((x.shape[0], n), dtype=np.float32)
-    _gemv_rows(xf, w, acc, 0, n)
-    out = np.empty((x.shape[0], n), dtype=like.dtype)
+def _finish(acc, b, like):  # pragma: no cover - compiled
+    """A GEMV's float32 result rounded to ``like``'s storage type, then the bias added and rounded again (torch's
+    ``out + bias`` in the model dtype)."""
+    out = np.empty(acc.shape, dtype=like.dtype)
     has_bias = b.shape[0] > 0
-    for i in range(x.shape[0]):
-        for j in range(n):
+    for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
             v = narrow(acc[i, j], like)
             if has_bias:
                 v = narrow(widen(v) + widen(b[j]), like)
             out[i, j] = v
     return out
+
+
+def _project(x, w, b, like):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_project, inline="always")
+def _project_overload(x, w, b, like):
+    """``x @ w.T (+ b)`` for storage ``x [T, K]``: ``w`` is a float storage array ``[N, K]`` (the float GEMV's rows),
+    or an int4 weight as the tuple ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], g, has_min)``
+    (the int4 GEMV's rows, with x split into low/high-nibble halves and group sums exactly as the host side does)."""
+    if isinstance(w, types.Array):
+        def float_weight(x, w, b, like):
+            xf = _widened(x)
+            acc = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+            _gemv_rows(xf, w, acc, 0, w.shape[0])
+            return _finish(acc, b, like)
+        return float_weight
+    if isinstance(w, types.BaseTuple):
+        def int4_weight(x, w, b, like):
+            packed, scales, offsets, group, has_min = w
+            t_count, k = x.shape
+            half = group // 2
+            xlo = np.empty((t_count, k // 2), dtype=np.float32)
+            xhi = np.empty((t_count, k // 2), dtype=np.float32)
+            xsum = np.zeros((t_count, k // group), dtype=np.float32)
+            for m in range(t_count):
+                for g in range(k // group):
+                    for j in range(half):
+                        lo_v = widen(x[m, g * group + j])
+                        hi_v = widen(x[m, g * group + half + j])
+                        xlo[m, g * half + j] = lo_v
+                        xhi[m, g * half + j] = hi_v
+                    total = np.float32(0.0)
+                    for j in range(group):
+                        total += widen(x[m, g * group + j])
+                    xsum[m, g] = total
+            acc = np.empty((t_count, packed.shape[0]), dtype=np.float32)
+            wlo = np.empty(k // 2, dtype=np.float32)
+            whi = np.empty(k // 2, dtype=np.float32)
+            _int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, acc, 0, packed.shape[0], wlo, whi)
+            return _finish(acc, b, like)
+        return int4_weight
+    return None
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -81,8 +123,8 @@ def decoder_layer_kernel(
 
     x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
     h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``next_norm_w``).
-    *_w, *_b : storage weights ``[N, K]`` / biases ``[N]``; an empty array means absent (no bias, no q/k norm, no
-    post norm). w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
+    *_w, *_b : storage weights ``[N, K]`` (or int4 weight tuples for the four projections, see ``_project``) /
+    biases ``[N]``; an empty array means absent (no bias, no q/k norm, no post norm). w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
     positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
     k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
     K/V go. The rest is a direct, serial :class:`tessera.backends.cpu.decode.DecodePlan`'s arrays.
@@ -94,7 +136,7 @@ def decoder_layer_kernel(
     w_offset = np.float32(w_offset)
     eps = np.float32(eps)
     # --- attention: qkv projection, split, q/k norm, RoPE, cache write
-    qkv = _linear(h, qkv_w, qkv_b, x)
+    qkv = _project(h, qkv_w, qkv_b, x)
     q = np.empty((t_count, hq, d), dtype=x.dtype)
     k = np.empty((t_count, hkv, d), dtype=x.dtype)
     for t in range(t_count):
@@ -133,20 +175,20 @@ def decoder_layer_kernel(
         for a in range(hq):
             for e in range(d):
                 att_s[t, a * d + e] = narrow(att[t, a, e], x)
-    a_out = _linear(att_s, o_w, o_b, x)
+    a_out = _project(att_s, o_w, o_b, x)
     if post_attn_w.shape[0] > 0:
         a_out = _norm_rows(a_out, post_attn_w, w_offset, eps)
     # --- residual + MLP norm, gated MLP, residual + the next layer's norm
     h2 = np.empty_like(x)
     for i in range(t_count):
         _rms_norm_row(a_out, x, mlp_norm_w, w_offset, eps, h2, x, i, True)
-    gu = _linear(h2, gate_up_w, gate_up_b, x)
+    gu = _project(h2, gate_up_w, gate_up_b, x)
     inter = gu.shape[1] // 2
     act = np.empty((t_count, inter), dtype=x.dtype)
     chunks = (inter + ACT_CHUNK - 1) // ACT_CHUNK
     for item in range(t_count * chunks):
         _act_and_mul_item(gu, act, act_kind, item, chunks)
-    m = _linear(act, down_w, down_b, x)
+    m = _project(act, down_w, down_b, x)
     if post_mlp_w.shape[0] > 0:
         m = _norm_rows(m, post_mlp_w, w_offset, eps)
     for i in range(t_count):

@@ -172,6 +172,39 @@ def _offset(s, off, has_min):  # pragma: no cover - compiled
     return off if has_min else -np.float32(off) * s
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def _int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, out, n_lo, n_hi, wlo, whi):  # pragma: no cover
+    """Output rows ``n_lo .. n_hi - 1`` of :func:`gemv_int4`; ``wlo`` / ``whi`` are float32 ``[K // 2]`` scratch."""
+    m_rows, half_k = xlo.shape
+    ngroups, hshift = scales.shape[1], _log2(group) - 1
+    xlo0, xhi0 = xlo[0], xhi[0]
+    for n in range(n_lo, n_hi):
+        row, srow, orow = packed[n], scales[n], offsets[n]
+        if m_rows > 1:  # dequantize the row once into L1, then plain dots per x row
+            for lo in range(0, half_k, CHUNK):
+                hi = min(lo + CHUNK, half_k)
+                ga, gb = lo >> hshift, min(lo + 16, half_k - 1) >> hshift
+                _nib_decode(row[lo:hi], srow[ga], srow[gb], _offset(srow[ga], orow[ga], has_min),
+                            _offset(srow[gb], orow[gb], has_min), wlo[lo:hi], whi[lo:hi])
+            for m in range(m_rows):
+                out[m, n] = _dot(wlo, xlo[m]) + _dot(whi, xhi[m])
+            continue
+        y = np.float32(0.0)
+        for g in range(ngroups):
+            y += _offset(srow[g], orow[g], has_min) * xsum[0, g]
+        lo = 0
+        while lo + 64 <= half_k:
+            y += _nib_chunk4(row[lo:lo + 64], xlo0[lo:lo + 64], xhi0[lo:lo + 64], srow[lo >> hshift],
+                             srow[(lo + 16) >> hshift], srow[(lo + 32) >> hshift], srow[(lo + 48) >> hshift])
+            lo += 64
+        if lo + CHUNK <= half_k:
+            y += _nib_chunk(row[lo:lo + CHUNK], xlo0[lo:lo + CHUNK], xhi0[lo:lo + CHUNK], srow[lo >> hshift],
+                            srow[(lo + 16) >> hshift], CHUNK)
+        if half_k % CHUNK:  # group 32 and an odd number of groups: one left
+            y += _nib_chunk(row[half_k - 16:], xlo0[half_k - 16:], xhi0[half_k - 16:], srow[-1], srow[-1], 16)
+        out[0, n] = y
+
+
 @njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True)
 def gemv_int4(xlo, xhi, xsum, packed, scales, offsets, has_min, group, out):  # pragma: no cover - compiled
     """int4 codes (two per byte, see ``pack_nibbles``) times x.
@@ -181,33 +214,9 @@ def gemv_int4(xlo, xhi, xsum, packed, scales, offsets, has_min, group, out):  # 
     scales float32 ``[N, ng]``; offsets uint8 zero points (``has_min`` False) or float32 mins (True) ``[N, ng]``;
     out float32 ``[M, N]`` (written).
     """
-    m_rows, half_k = xlo.shape
-    n_rows, ngroups, hshift = packed.shape[0], scales.shape[1], _log2(group) - 1
+    half_k = xlo.shape[1]
+    n_rows = packed.shape[0]
     for blk in prange((n_rows + ROWS - 1) // ROWS):
         wlo, whi = np.empty(half_k, np.float32), np.empty(half_k, np.float32)
-        xlo0, xhi0 = xlo[0], xhi[0]
-        for n in range(blk * ROWS, min(n_rows, (blk + 1) * ROWS)):
-            row, srow, orow = packed[n], scales[n], offsets[n]
-            if m_rows > 1:  # dequantize the row once into L1, then plain dots per x row
-                for lo in range(0, half_k, CHUNK):
-                    hi = min(lo + CHUNK, half_k)
-                    ga, gb = lo >> hshift, min(lo + 16, half_k - 1) >> hshift
-                    _nib_decode(row[lo:hi], srow[ga], srow[gb], _offset(srow[ga], orow[ga], has_min),
-                                _offset(srow[gb], orow[gb], has_min), wlo[lo:hi], whi[lo:hi])
-                for m in range(m_rows):
-                    out[m, n] = _dot(wlo, xlo[m]) + _dot(whi, xhi[m])
-                continue
-            y = np.float32(0.0)
-            for g in range(ngroups):
-                y += _offset(srow[g], orow[g], has_min) * xsum[0, g]
-            lo = 0
-            while lo + 64 <= half_k:
-                y += _nib_chunk4(row[lo:lo + 64], xlo0[lo:lo + 64], xhi0[lo:lo + 64], srow[lo >> hshift],
-                                 srow[(lo + 16) >> hshift], srow[(lo + 32) >> hshift], srow[(lo + 48) >> hshift])
-                lo += 64
-            if lo + CHUNK <= half_k:
-                y += _nib_chunk(row[lo:lo + CHUNK], xlo0[lo:lo + CHUNK], xhi0[lo:lo + CHUNK], srow[lo >> hshift],
-                                srow[(lo + 16) >> hshift], CHUNK)
-            if half_k % CHUNK:  # group 32 and an odd number of groups: one left
-                y += _nib_chunk(row[half_k - 16:], xlo0[half_k - 16:], xhi0[half_k - 16:], srow[-1], srow[-1], 16)
-            out[0, n] = y
+        _int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, out, blk * ROWS,
+                   min(n_rows, (blk + 1) * ROWS), wlo, whi)
