@@ -4,10 +4,10 @@ Float ``matmul`` up to :data:`SMALL_M` rows of x runs :mod:`._gemv` (fp32, or bf
 registers; fp32 accumulation), on one thread below :data:`SERIAL_WORK` multiply-adds and over all threads above;
 larger M goes to torch/BLAS.
 
-Up to :data:`SMALL_M` rows of x the packed weights are streamed once by :mod:`._quant_kernels` (memory-bound; the
-weight bytes are the traffic). Above it the matmul is compute-bound and BLAS wins: the weight is dequantized in
-blocks of :data:`TILE_N` rows (a few MiB, so it stays in cache and the full float matrix is never held) and each
-block goes through one fp32 GEMM.
+Up to :data:`QUANT_GEMV_MAX_M` rows of x (per format) the packed weights are streamed once by
+:mod:`._quant_kernels` (memory-bound at one row; with more rows each weight row is decoded once into L1 and dotted
+with every x row). Above it BLAS wins: the weight is dequantized in blocks of :data:`TILE_N` rows (a few MiB, so it
+stays in cache and the full float matrix is never held) and each block goes through one fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from tessera.backends.reference.ops.quant import dequantize_in, quantize_in
 from tessera.kernels.quant import QuantizedWeight
 
 SMALL_M = 8
+#: qmatmul keeps the packed GEMV (each weight row decoded once into L1, then dotted with every x row) up to this many
+#: rows of x; above, de-quantized tiles through BLAS win. Measured crossovers (2 cores, SmolLM2 shapes 3072 x 576,
+#: 576 x 1536, 960 x 576): int4 / int4_min between 128 and 256 rows (at 32 rows the GEMV took 1.1 ms vs 3.9 for the
+#: tiles), int8 between 64 and 128.
+QUANT_GEMV_MAX_M = {"int4": 128, "int4_min": 128, "int8": 64, "fp8_e4m3": 64}
 TILE_N = 512
 #: below this many multiply-adds (M * N * K) the float GEMV runs on the calling thread: waking the thread pool
 #: (~50 us) costs more than splitting the read saves (576 x 576 and 1536 x 576 at M = 1 are faster serial)
@@ -108,7 +113,7 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if x.shape[0] == 0 or qw.shape[0] == 0:
         return torch.zeros(x.shape[0], qw.shape[0], dtype=x.dtype)
     xf = x.float().contiguous()
-    out = _gemv(xf, qw) if x.shape[0] <= SMALL_M else _gemm_tiled(xf, qw)
+    out = _gemv(xf, qw) if x.shape[0] <= QUANT_GEMV_MAX_M.get(qw.fmt, SMALL_M) else _gemm_tiled(xf, qw)
     return out.to(x.dtype)
 
 
