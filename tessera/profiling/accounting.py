@@ -178,14 +178,23 @@ def _fused_layer_cost(*args: Any) -> roofline.Cost:
     """One fused decoder layer: its four weight matrices once, ``2 T params`` FLOPs, plus attention of each token
     over ``position + 1`` cached keys (decode: one query per sequence)."""
     tokens = args[_X].shape[0]
-    mats = [args[i] for i in (_QKV_W, _O_W, _GATE_UP_W, _DOWN_W)]
-    params = sum(int(m.size) for m in mats)
+    mats = [_weight_params_bytes(args[i]) for i in (_QKV_W, _O_W, _GATE_UP_W, _DOWN_W)]
+    params = sum(p for p, _ in mats)
     kv_heads, head_dim = args[_K_ROWS].shape[1], args[_K_ROWS].shape[2]
     elem = args[_X].itemsize
     kv_lens = [int(p) + 1 for p in args[_POSITIONS]]
     attn = roofline.attention_cost([1] * tokens, kv_lens, int(args[_NUM_Q_HEADS]), kv_heads, head_dim, elem)
     acts = 4 * tokens * args[_X].shape[1] * elem  # x and h, read and written in place
-    return 2.0 * tokens * params + attn[0], float(sum(int(m.nbytes) for m in mats) + attn[1] + acts)
+    return 2.0 * tokens * params + attn[0], float(sum(b for _, b in mats) + attn[1] + acts)
+
+
+def _weight_params_bytes(w: Any) -> tuple[int, int]:
+    """(parameters, bytes) of a fused-layer projection: a float array, or an int4 tuple ``(packed [N, K/2], scales,
+    offsets, group, has_min)`` whose bytes are the packed codes plus the per-group scales and offsets."""
+    if isinstance(w, tuple):
+        packed, scales, offsets = w[:3]
+        return int(packed.size) * 2, int(packed.nbytes + scales.nbytes + offsets.nbytes)
+    return int(w.size), int(w.nbytes)
 
 
 #: (module path, attribute, op name, cost function); a "Class.method" attribute patches the class.

@@ -30,6 +30,8 @@ def add_parser(commands) -> None:
     p.add_argument("--gen-len", type=int, default=16, help="generated tokens, EOS ignored (default 16)")
     p.add_argument("--dtype", choices=sorted(DTYPE_KEYS), default="float32")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="GGUF: run the Q4_0/Q4_1/Q8_0 projections packed instead of de-quantized (faster decode)")
     p.add_argument("--trace", default="tessera-profile.json", help="Chrome/Perfetto trace file to write")
     p.add_argument("--top", type=int, default=None, help="show only the K most expensive ops")
     p.add_argument("--unfused", action="store_true",
@@ -52,7 +54,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     with err.status("loading the model, reading this machine's ceilings..."):
         llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=1,
-                  max_num_batched_tokens=max(512, args.prompt_len), enable_prefix_caching=False)
+                  max_num_batched_tokens=max(512, args.prompt_len), enable_prefix_caching=False,
+                  keep_quantized=args.keep_quantized)
         device = devices.this_cpu()
     with err.status(f"warming up, then profiling {args.prompt_len} prompt + {args.gen_len} generated tokens..."):
         result = profile_request(llm, args.prompt_len, args.gen_len, args.trace, unfused=args.unfused,

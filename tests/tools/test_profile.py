@@ -129,3 +129,21 @@ def test_phases_split_prefill_from_decode(tiny_dir) -> None:
     assert acct.stats["sample (decode)"].calls == 2
     prefill_attn = acct.stats["attention (prefill)"]
     assert prefill_attn.flops == 4 * (5 * 6 // 2) * HEADS * HEAD_DIM * LAYERS
+
+
+def test_fused_layer_with_int4_projections_counts_packed_bytes(tiny_dir) -> None:
+    """A model with packed int4 projections takes the fused decode layer too; its cost counts the packed bytes."""
+    from tessera.engine import LLM, SamplingParams
+
+    model = load_model(tiny_dir)
+    for i in range(LAYERS):
+        for name in ("qkv", "o", "gate_up", "down"):
+            key = f"layers.{i}.{name}.weight"
+            model.weights[key] = K.quantize(model.weights[key], "int4_min", 32)
+    llm = LLM(model, page_size=4, num_pages=32)
+    with account_ops() as acct:
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    op = acct.stats["fused_decoder_layer"]
+    params = LAYERS * ((HEADS + 2 * KV_HEADS) * HEAD_DIM * HIDDEN + HIDDEN * HIDDEN + 3 * INTER * HIDDEN)
+    assert op.calls == 2 * LAYERS and op.flops >= 2 * 2 * params  # two decode steps
+    assert op.bytes < 2 * params * 4 / 4  # packed: well under a quarter of the fp32 bytes
