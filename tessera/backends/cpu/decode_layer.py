@@ -59,7 +59,7 @@ def _project(x, w, b, like):  # pragma: no cover - replaced by the overload insi
     raise NotImplementedError
 
 
-@overload(_project, inline="always")
+@overload(_project)
 def _project_overload(x, w, b, like):
     """``x @ w.T (+ b)`` for storage ``x [T, K]``: ``w`` is a float storage array ``[N, K]`` (the float GEMV's rows),
     or an int4 weight as the tuple ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], g, has_min)``
