@@ -37,6 +37,7 @@ from typing import Any
 # Idle OpenMP threads of torch and Numba spin by default and starve each other on a small shared machine;
 # must be set before torch loads its OpenMP runtime (see kernels_cpu.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # OpenBLAS threads: sleep, not spin (tessera/__init__.py)
 # transformers' GGUF de-quantization bar is a raw tqdm that ignores its logging switch; tqdm reads this at import.
 os.environ.setdefault("TQDM_DISABLE", "1")
 

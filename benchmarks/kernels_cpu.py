@@ -20,6 +20,7 @@ from pathlib import Path
 # Idle OpenMP threads of torch and Numba spin by default and starve each other on a small shared machine
 # (both sides of a comparison ran ~8 ms per call); must be set before torch loads its OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # OpenBLAS threads: sleep, not spin (tessera/__init__.py)
 
 import torch  # noqa: E402
 from attention_cpu import time_interleaved  # noqa: E402  (same folder: the interleaved median timer)

@@ -13,6 +13,7 @@ import os
 import pstats
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see benchmarks/kernels_cpu.py)
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # OpenBLAS threads: sleep, not spin (tessera/__init__.py)
 
 from tessera.engine import LLM, SamplingParams  # noqa: E402
 

@@ -10,6 +10,7 @@ import sys
 # waiting must be chosen before the OpenMP runtime loads, i.e. before torch is imported.
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # the same for OpenBLAS's threads (tessera/__init__.py)
 
 # Without a GPU, the triton backend's kernels run on CPU tensors through Triton's interpreter, so the conformance
 # suite covers them everywhere (tests/attention/conftest.py picks the subset that fits the CI budget). Triton reads

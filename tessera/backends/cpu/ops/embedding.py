@@ -8,6 +8,7 @@ Numba GEMV reads the table once in its own dtype instead (fp32 accumulation; 2x 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tessera.backends.cpu.ops import quant
@@ -33,6 +34,8 @@ def lm_head(hidden, table, softcap):
     logits = torch.empty(h.shape[0], vocab, dtype=torch.float32)
     if 0 < h.shape[0] <= quant.SMALL_M and table.dtype in quant._GEMV_VIEW:
         logits = quant.gemv(h, table)
+    elif table.dtype == torch.float32 and table.is_contiguous():
+        np.matmul(h.contiguous().numpy(), table.numpy().T, out=logits.numpy())  # OpenBLAS: see quant.blas_matmul
     elif table.dtype == torch.float32:
         torch.matmul(h, table.T, out=logits)
     else:
