@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from tessera.models import load_model
+from tessera.models.paged import StepBatch, slots_for
 
 FP32_REL_TOL = 1e-4
 BF16_TOP1 = 0.99
@@ -88,3 +89,18 @@ def compare_with_hf_bf16(directory, hf_model: torch.nn.Module, dtype: str, ids: 
     assert decided.sum() >= ids.numel() // 2, f"only {int(decided.sum())} decided positions: weak test"
     assert agree >= BF16_TOP1, f"bf16 top-1 agreement {agree:.3f} on {int(decided.sum())} decided positions"
     assert raw >= 0.9, f"bf16 top-1 agreement {raw:.3f} over all positions"
+
+
+def step_batch(seqs: dict[int, list[int]], new: dict[int, int], tables: dict[int, list[int]], page: int) -> StepBatch:
+    """A StepBatch in which sequences ``seqs`` (all their tokens so far) schedule their last ``new[s]`` tokens, with
+    page table rows ``tables[s]`` of ``page`` tokens per page."""
+    ids, q_lens, kv_lens, slots = [], [], [], []
+    width = max(len(t) for t in tables.values())
+    for s, tokens in seqs.items():
+        n = new[s]
+        ids += tokens[len(tokens) - n:]
+        q_lens.append(n)
+        kv_lens.append(len(tokens))
+        slots += slots_for(tables[s], range(len(tokens) - n, len(tokens)), page)
+    table = torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s in seqs], dtype=torch.int32)
+    return StepBatch(torch.tensor(ids), q_lens, kv_lens, table, torch.tensor(slots))

@@ -10,8 +10,8 @@ import tessera.models.paged as paged
 from tessera.backends.cpu import decode as cpu_decode
 from tessera.models import load_model
 from tessera.models.fused_decode import unsupported_reason
-from tessera.models.paged import StepBatch, forward_step, new_cache, slots_for
-from tests.models.helpers import save_tiny
+from tessera.models.paged import StepBatch, forward_step, new_cache
+from tests.models.helpers import save_tiny, step_batch
 
 PAGE = 4
 _BASE = dict(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
@@ -40,16 +40,7 @@ def _model(name, tmp_path, dtype="float32"):
 
 
 def _step(seqs: dict[int, list[int]], new: dict[int, int], tables: dict[int, list[int]]) -> StepBatch:
-    ids, q_lens, kv_lens, slots = [], [], [], []
-    width = max(len(t) for t in tables.values())
-    for s, tokens in seqs.items():
-        n = new[s]
-        ids += tokens[len(tokens) - n:]
-        q_lens.append(n)
-        kv_lens.append(len(tokens))
-        slots += slots_for(tables[s], range(len(tokens) - n, len(tokens)), PAGE)
-    table = torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s in seqs], dtype=torch.int32)
-    return StepBatch(torch.tensor(ids), q_lens, kv_lens, table, torch.tensor(slots))
+    return step_batch(seqs, new, tables, PAGE)
 
 
 @pytest.fixture
