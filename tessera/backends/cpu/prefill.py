@@ -31,6 +31,7 @@ from threadpoolctl import ThreadpoolController
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import EMPTY, FULL, classify_tiles, resolve_partial_tile, tile_bounds
 from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.backends.cpu.kv_gather import gather_heads
 from tessera.backends.cpu.softmax_kernel import online_softmax_tile
 
 #: Query positions per tile; with G query heads per KV head the GEMM has G * Q_TILE rows.
@@ -117,18 +118,16 @@ def prefill_attention(
 
 
 def _prepare(q, k_rows, v_rows, batch: RaggedBatch, layout: KVLayout, s: int, spec: AttentionSpec) -> _Sequence:
-    """Widen this sequence's K/V to float32 ``[Hkv, kv_len, D]`` once (from pages: one gather per sequence, the same
-    pass the widening needs anyway), and classify its tiles."""
+    """Widen this sequence's K/V to float32 ``[Hkv, kv_len, D]`` once (one Numba gather pass per sequence, from pages
+    or contiguous rows; ``kv_gather.py``), and classify its tiles."""
     qs, ql, kl = batch.q_starts[s], batch.q_lens[s], batch.kv_lens[s]
     rows = layout.rows(s, kl)
-    if not isinstance(rows, slice):
-        rows = torch.from_numpy(rows)
     q_lo, q_hi = tile_bounds(kl - ql, kl, Q_TILE)
     kv_lo, kv_hi = tile_bounds(0, kl, KV_CLASSIFY_TILE)
     return _Sequence(
         index=s, q=q[qs : qs + ql],
-        k=k_rows[rows].permute(1, 0, 2).to(torch.float32).contiguous(),
-        v=v_rows[rows].permute(1, 0, 2).to(torch.float32).contiguous(),
+        k=gather_heads(k_rows, rows),
+        v=gather_heads(v_rows, rows),
         out_rows=qs, q_start=kl - ql, q_lo=q_lo, q_hi=q_hi, kv_lo=kv_lo, kv_hi=kv_hi,
         classes=classify_tiles(spec.mask, s, q_lo, q_hi, kv_lo, kv_hi),
     )
