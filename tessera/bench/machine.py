@@ -6,6 +6,7 @@ the same run as its cases, because a shared machine's available bandwidth change
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -41,8 +42,15 @@ class RunCeilings:
         return asdict(self)
 
     def device(self) -> Device:
-        """This CPU as a roofline :class:`~tessera.hw.devices.Device`, with the rates of this run."""
-        return Device(
+        """This CPU as a roofline :class:`~tessera.hw.devices.Device`, with the rates of this run (built once per
+        ceilings: the report asks for it for every case)."""
+        return _device_of(self)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_of(ceilings: RunCeilings) -> Device:
+    self = ceilings
+    return Device(
             name=f"{probes.cpu_model()}, {probes.num_cores()} cores (this run)", kind="cpu",
             peak_flops={"fp32": self.gemm_fp32_gflops * 1e9, "bf16": self.gemm_bf16_gflops * 1e9,
                         "fp16": self.gemm_bf16_gflops * 1e9},

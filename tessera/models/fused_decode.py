@@ -59,8 +59,10 @@ def _weight_view(w):
     return storage_view(w.detach())
 
 
-def _layer_views(model) -> list[tuple] | None:
-    """Per layer, the kernel's weight arguments as NumPy storage views (built once per model and kept on it)."""
+def _layer_views(model) -> tuple[list[tuple], int] | None:
+    """Per layer, the kernel's weight arguments as NumPy storage views, and the multiply-adds of the biggest
+    projection at one row of x; None when the model cannot be fused. Built on the first decode step and kept on the
+    model (replacing weights after that step needs a fresh model)."""
     cached = getattr(model, _VIEWS_ATTR, False)
     if cached is not False:
         return cached
@@ -88,14 +90,12 @@ def _layer_views(model) -> list[tuple] | None:
                 get(f"{p}.post_mlp_norm.weight") if config.post_norms else absent,
                 get(f"{following}.weight"),
             ))
+        largest = max(int(t.shape[0]) * int(t.shape[1]) for name, t in w.items()
+                      if name.startswith("layers.") and name.endswith(".weight")
+                      and name.rsplit(".", 2)[-2] in _PROJECTIONS)
+        views = (views, largest)
     object.__setattr__(model, _VIEWS_ATTR, views)
     return views
-
-
-def _largest_gemv(weights: dict) -> int:
-    """Multiply-adds of the biggest projection at one row of x."""
-    return max(int(w.shape[0]) * int(w.shape[1]) for name, w in weights.items()
-               if name.startswith("layers.") and name.rsplit(".", 2)[-2] in _PROJECTIONS and name.endswith("weight"))
 
 
 def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_for) -> torch.Tensor | None:
@@ -110,9 +110,10 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
         return None  # one query per sequence: the direct decode plan's rows are the output rows
     if min(step.q_lens) != 1 or not ropes:
         return None
-    views = _layer_views(model)
-    if views is None or t_count * _largest_gemv(model.weights) >= SERIAL_WORK:
+    prepared = _layer_views(model)
+    if prepared is None or t_count * prepared[1] >= SERIAL_WORK:
         return None  # the kernel is serial; bigger GEMVs run faster over all cores in the per-op path
+    views = prepared[0]
     states = {}
     for i in range(config.num_layers):
         key = config.layer_windows[i]

@@ -28,9 +28,10 @@ FAMILIES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}})),
 }
-#: how far the fused logits may be from the per-op ones: the same helpers run in the same order, but LLVM may
-#: vectorize a reduction differently in the bigger function (fastmath reassociation)
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+#: how far the fused logits may be from the per-op ones. Measured here: identical in every family and dtype (the same
+#: helpers run in the same order); the margin is for a CPU where LLVM vectorizes a reduction differently in the bigger
+#: function (fastmath reassociation): a float32 rounding, or one bf16 ulp of an intermediate.
+TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=8e-3, atol=1e-3)}
 
 
 def _model(name, tmp_path, dtype="float32"):

@@ -31,8 +31,7 @@ def weight_cost(model) -> tuple[float, float]:
         if isinstance(w, QuantizedWeight):
             n, k = w.shape
             flops += 2.0 * n * k
-            bytes_moved += sum(t.numel() * t.element_size() for t in (w.data, w.scales, w.zeros, w.mins)
-                               if t is not None)
+            bytes_moved += w.nbytes
         elif w.dim() == 2:
             flops += 2.0 * w.numel()
             bytes_moved += w.numel() * w.element_size()
