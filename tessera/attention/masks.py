@@ -30,6 +30,9 @@ class Mask:
 
     #: True when ``evaluate`` may depend on the query head ``h``.
     head_dependent: bool = False
+    #: True when ``evaluate`` / ``classify`` may depend on the sequence index ``b`` (planners reuse one sequence's
+    #: tiles for every other sequence of the same lengths when it is False).
+    batch_dependent: bool = False
 
     def evaluate(self, b: torch.Tensor, h: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -143,6 +146,7 @@ class _Document(Mask):
             )
         self.doc_ids = doc_ids.detach().to("cpu", torch.int64).contiguous()
         self._np = self.doc_ids.numpy()
+        self.batch_dependent = self.doc_ids.dim() == 2
 
     def _row(self, b: int) -> np.ndarray:
         return self._np if self._np.ndim == 1 else self._np[b]
@@ -205,6 +209,7 @@ class CustomMask(Mask):
     """A user mask ``fn(b, h, q_pos, kv_pos) -> bool tensor`` built from vectorized torch ops."""
 
     head_dependent = True
+    batch_dependent = True
 
     def __init__(self, fn: MaskFn) -> None:
         if not callable(fn):
@@ -228,6 +233,7 @@ class _And(Mask):
     def __init__(self, a: Mask, b: Mask) -> None:
         self.a, self.b = a, b
         self.head_dependent = a.head_dependent or b.head_dependent
+        self.batch_dependent = a.batch_dependent or b.batch_dependent
 
     def evaluate(self, b, h, q_pos, kv_pos):
         return self.a.evaluate(b, h, q_pos, kv_pos) & self.b.evaluate(b, h, q_pos, kv_pos)
@@ -258,6 +264,7 @@ class _Not(Mask):
     def __init__(self, inner: Mask) -> None:
         self.inner = inner
         self.head_dependent = inner.head_dependent
+        self.batch_dependent = inner.batch_dependent
 
     def evaluate(self, b, h, q_pos, kv_pos):
         return ~self.inner.evaluate(b, h, q_pos, kv_pos)

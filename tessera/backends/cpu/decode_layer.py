@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, types
 from numba.core.extending import overload
 
-from tessera.backends.cpu.decode_kernel import _decode_item
+from tessera.backends.cpu.decode_kernel import decode_item
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
@@ -167,7 +167,7 @@ def decoder_layer_kernel(
     att = np.empty((t_count, hq, d), dtype=np.float32)
     lse = np.empty((t_count, hq), dtype=np.float32)
     for item in range(item_seq.shape[0]):
-        _decode_item(item, qf, k_rows, v_rows, att, lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len,
+        decode_item(item, qf, k_rows, v_rows, att, lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len,
                      seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
                      scale, softcap, slopes)
     att_s = np.empty((t_count, hq * d), dtype=x.dtype)
