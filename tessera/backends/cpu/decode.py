@@ -156,6 +156,27 @@ def _split_items(
     return tuple(np.asarray(a, dtype=np.int64) for a in (item_seq, item_lo, item_hi, seq_lo, seq_hi))
 
 
+def _schedule(item_keys: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Assign items to workers, longest first to the least loaded (LPT), so every core reads about as many keys.
+
+    Numba's ``prange`` splits its iterations into one contiguous block per thread (``parallel_chunksize`` did not
+    change that here, measured), so a batch of mixed lengths split into parts in sequence order left one core with
+    most of the long parts: batch 8 at 1k-16k keys ran 13.0 ms, against 9.9 ms for the same keys in equal lengths.
+
+    Returns ``item_order`` (int64, the items worker by worker) and ``worker_start`` (int64 ``[workers + 1]``).
+    """
+    loads = [0] * workers
+    lists: list[list[int]] = [[] for _ in range(workers)]
+    for item in np.argsort(-item_keys, kind="stable").tolist():
+        w = loads.index(min(loads))
+        lists[w].append(item)
+        loads[w] += int(item_keys[item])
+    order = np.fromiter((i for lst in lists for i in lst), dtype=np.int64, count=len(item_keys))
+    start = np.zeros(workers + 1, dtype=np.int64)
+    start[1:] = np.cumsum([len(lst) for lst in lists])
+    return order, start
+
+
 @dataclass(frozen=True, slots=True)
 class DecodePlan:
     """Everything the decode kernel needs that depends on lengths and the mask, never on tensor values.
@@ -201,9 +222,14 @@ class DecodePlan:
         kv_len = np.array([batch.kv_lens[s] for s in seqs], dtype=np.int64)
         softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
         slopes = spec.score.slopes.numpy() if isinstance(spec.score, Alibi) else np.zeros(0, dtype=np.float32)
+        seg_arrays = segs.arrays()
+        seg_keys = np.concatenate([[0], np.cumsum(seg_arrays[1] - seg_arrays[0])])
+        item_keys = seg_keys[item_hi] - seg_keys[item_lo]
+        item_order, worker_start = _schedule(item_keys, numba.get_num_threads())
         arrays = (
             item_seq, item_lo, item_hi, q_start, q_len, kv_len, np.ascontiguousarray(layout.row_base[seqs]),
-            layout.block, *segs.arrays(), np.float32(spec.softmax_scale), np.float32(softcap), slopes,
+            layout.block, *seg_arrays, np.float32(spec.softmax_scale), np.float32(softcap), slopes, item_order,
+            worker_start,
         )
         # One query per sequence, one item per sequence, in token order: the kernel's per-item rows are exactly the
         # output rows, so it writes ``out`` / ``lse`` directly and no merge pass runs (batch-1 decode).

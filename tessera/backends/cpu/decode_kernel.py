@@ -349,9 +349,11 @@ def decode_attention_kernel(
     q, k, v, part_out, part_lse,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes,
+    scale, softcap, slopes, item_order, worker_start,
 ):  # pragma: no cover - compiled
-    """Partial attention of every work item, items spread over the thread pool.
+    """Partial attention of every work item: worker ``w`` runs items ``item_order[worker_start[w]:worker_start[w+1]]``
+    (the plan balances their key counts; Numba's ``prange`` hands each thread one contiguous block of iterations,
+    also under ``parallel_chunksize``, so the balance has to be decided up front).
 
     q : f32 ``[tokens, Hq, D]``; k, v : ``[rows, Hkv, D]`` f32 / uint16 (bf16 bits) / int16 (fp16 bits).
     part_out : f32 ``[items, Hq * max_q, D]`` and part_lse : f32 ``[items, Hq * max_q]``; row ``h * q_len + i``.
@@ -361,12 +363,13 @@ def decode_attention_kernel(
     (uint8 ``[heads, q_len, seg_len]``, head stride 0 when the mask ignores heads); -1 means every key is kept.
     softcap : 0 disables; slopes : f32 ``[Hq]`` ALiBi slopes or empty.
     """
-    for item in prange(item_seq.shape[0]):
-        decode_item(
-            item, q, k, v, part_out, part_lse,
-            item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
-        )
+    for w in prange(worker_start.shape[0] - 1):
+        for i in range(worker_start[w], worker_start[w + 1]):
+            decode_item(
+                item_order[i], q, k, v, part_out, part_lse,
+                item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+                seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+            )
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -374,9 +377,9 @@ def decode_attention_serial(
     q, k, v, part_out, part_lse,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes,
+    scale, softcap, slopes, item_order, worker_start,
 ):  # pragma: no cover - compiled
-    """:func:`decode_attention_kernel` on the calling thread: for small steps (a short context at batch 1), where
+    """:func:`decode_attention_kernel` on the calling thread (in item order: the schedule only matters to the pool): for small steps (a short context at batch 1), where
     waking the pool costs more than the work (measured ~60 us per call on this machine)."""
     for item in range(item_seq.shape[0]):
         decode_item(

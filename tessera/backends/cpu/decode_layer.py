@@ -117,7 +117,7 @@ def decoder_layer_kernel(
     positions, cos, sin,
     k_rows, v_rows, slots,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
 ):  # pragma: no cover - compiled
     """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
 
