@@ -172,9 +172,10 @@ def test_plan_errors_are_clear() -> None:
         p.run(q, pages.bfloat16(), pages.bfloat16())
 
 
-def shared_prefix_batch(gen: torch.Generator, dtype: torch.dtype, prefix_pages: int, suffix_lens: list[int]):
+def shared_prefix_batch(gen: torch.Generator, dtype: torch.dtype, prefix_pages: int, suffix_lens: list[int],
+                        hkv: int = 2, d: int = 32):
     """Decode requests whose first ``prefix_pages`` pages are the same pages, plus one unrelated decode."""
-    page_size, hkv, d = 16, 2, 32
+    page_size = 16
     own = [math.ceil((prefix_pages * page_size + n) / page_size) - prefix_pages for n in suffix_lens]
     num_pages = prefix_pages + sum(own) + 30
     order = torch.randperm(num_pages, generator=gen).to(torch.int32)
@@ -215,3 +216,30 @@ def test_shared_prefix_cascade_matches_oracle(mask_name: str, dtype: torch.dtype
         assert [c.members for c in cascades] == [[0, 1, 2, 3]] and cascades[0].prefix_len == prefix_pages * 16
     else:
         assert cascades == []
+
+
+CASCADE_SHAPES = [
+    pytest.param(2, 32, None, id="kernel"),
+    pytest.param(1, 64, None, id="kernel-mqa-key-parts"),  # one kv head: the prefix is cut into parts, then merged
+    pytest.param(4, 48, "softcap", id="kernel-softcap"),  # head dim 48: 3 vectors; 5 members x 2 rows pad to a block
+    pytest.param(2, 40, None, id="blas-fallback"),  # not a multiple of the SIMD width: BLAS query tiles
+]
+
+
+@pytest.mark.parametrize(("hkv", "d", "score"), CASCADE_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_cascade_prefix_paths_match_oracle(hkv: int, d: int, score: str | None, dtype: torch.dtype) -> None:
+    """Both implementations of the cascade's prefix pass (the Numba kernel and BLAS tiles) against the oracle,
+    with more than one key tile, a partial last tile and every storage dtype."""
+    from tessera.attention import softcap
+    from tessera.backends.cpu.cascade import MIN_PREFIX_KEYS
+
+    gen = torch.Generator().manual_seed(seed_of(f"{hkv}-{d}-{score}-{dtype}"))
+    prefix_pages = MIN_PREFIX_KEYS // 16 + 5  # 336 keys: 5 tiles of 60 keys and a partial one
+    layout, q, k_pages, v_pages, table, k, v = shared_prefix_batch(gen, dtype, prefix_pages, [1, 17, 40, 5, 9],
+                                                                   hkv=hkv, d=d)
+    spec = AttentionSpec(8, hkv, d, mask=causal(), score=softcap(20.0) if score else None)
+    p = plan(spec, list(layout.q_lens), list(layout.kv_lens), table, 16, backend="cpu")
+    out, lse = p.run(q, k_pages, v_pages, return_lse=True)
+    assert [c.members for c in p._state.cascades] == [[0, 1, 2, 3, 4]]
+    assert_matches_oracle(out, lse, *oracle(q, k, v, layout, spec), dtype, f"cascade hkv={hkv} d={d} {score}")

@@ -23,7 +23,10 @@ from tessera.attention.scores import Softcap
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import FULL, classify_tiles
 from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.backends.cpu.decode import storage_view
 from tessera.backends.cpu.prefill import prefill_attention
+from tessera.backends.cpu.prefix_kernel import KEY_TILE, shared_prefix_kernel
+from tessera.backends.cpu.simd import LANES
 
 #: A shared prefix shorter than this is not worth a separate pass.
 MIN_PREFIX_KEYS = 256
@@ -40,6 +43,8 @@ class Cascade:
     q_rows: torch.Tensor  # int64 rows of q (and out) of all members' queries, in member order
     batch: RaggedBatch  # one pseudo-sequence: the stacked queries against the prefix
     layout: KVLayout  # the prefix's rows (the first member's page table)
+    prefix_base: np.ndarray  # int64 row bases of the prefix's pages (for the Numba prefix kernel)
+    block: int  # rows per page
 
 
 def find_cascades(batch: RaggedBatch, seqs: list[int], spec: AttentionSpec, layout: KVLayout) -> list[Cascade]:
@@ -94,23 +99,54 @@ def _make(batch: RaggedBatch, members: list[int], prefix: int, layout: KVLayout)
         part_base[i, : bounds[i + 1] - bounds[i]] = base[bounds[i] : bounds[i + 1]]
     part_lens = tuple(int(n) * layout.block for n in np.diff(bounds))
     return Cascade(members, prefix, q_rows, RaggedBatch((len(q_rows),) * parts, part_lens),
-                   KVLayout(part_base, layout.block))
+                   KVLayout(part_base, layout.block), np.ascontiguousarray(base[:pages], dtype=np.int64), layout.block)
 
 
 def run_cascade(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Attend the members' stacked queries to the shared prefix and merge into their suffix results in ``out``/``lse``."""
+    """Attend the members' stacked queries to the shared prefix and merge into their suffix results in ``out``/``lse``.
+
+    Every prefix key is visible to every member (checked at plan time), so the prefix runs unmasked. Head dims that
+    are a multiple of the SIMD width run the Numba prefix kernel (``prefix_kernel.py``: outer-product micro-kernels
+    at GEMM speed with any BLAS); others run as BLAS query tiles (``prefill_attention``), one pseudo-sequence per part.
+    """
+    n = len(cascade.q_rows)
+    if spec.head_dim % LANES == 0:
+        part_out, part_lse = _prefix_by_kernel(cascade, spec, q, k_rows, v_rows)
+    else:
+        part_out, part_lse = _prefix_by_blas(cascade, spec, q, k_rows, v_rows)
+    merged, merged_lse = out[cascade.q_rows], lse[cascade.q_rows]
+    for i in range(part_out.shape[0] // n):
+        rows = slice(i * n, (i + 1) * n)
+        merged, merged_lse = merge_states(merged, merged_lse, part_out[rows], part_lse[rows])
+    out[cascade.q_rows], lse[cascade.q_rows] = merged, merged_lse
+
+
+def _prefix_by_kernel(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.Tensor,
+                      v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Results ``[parts * n, Hq, D]`` / ``[parts * n, Hq]`` of the prefix kernel. Work items are (kv head, key
+    part): parts are added until there are at least two items per core, in whole key tiles."""
+    n, workers = len(cascade.q_rows), torch.get_num_threads()
+    tiles = -(-cascade.prefix_len // KEY_TILE)
+    parts = max(1, min(tiles, -(-2 * workers // spec.num_kv_heads)))
+    bounds = np.minimum(np.linspace(0, tiles, parts + 1).round().astype(np.int64) * KEY_TILE, cascade.prefix_len)
+    out = np.empty((parts, n, spec.num_q_heads, spec.head_dim), dtype=np.float32)
+    lse = np.empty((parts, n, spec.num_q_heads), dtype=np.float32)
+    softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
+    qf = q if q.dtype == torch.float32 else q.float()
+    shared_prefix_kernel(qf.numpy(), storage_view(k_rows), storage_view(v_rows), cascade.q_rows.numpy(),
+                         cascade.prefix_base, cascade.block, bounds, np.float32(spec.softmax_scale),
+                         np.float32(softcap), out, lse)
+    return torch.from_numpy(out).reshape(parts * n, *out.shape[2:]), torch.from_numpy(lse).reshape(parts * n, -1)
+
+
+def _prefix_by_blas(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.Tensor,
+                    v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, parts = len(cascade.q_rows), cascade.batch.num_seqs
     part_out = torch.zeros(parts * n, spec.num_q_heads, spec.head_dim)
     part_lse = torch.full((parts * n, spec.num_q_heads), -float("inf"))
-    # Every prefix key is visible to every member (checked at plan time), so the prefix runs unmasked; each part is
-    # a pseudo-sequence holding all the stacked queries.
     unmasked = dataclasses.replace(spec, mask=None, sinks=None)
     q_parts = q[cascade.q_rows].repeat(parts, 1, 1)
     prefill_attention(q_parts, k_rows, v_rows, cascade.batch, cascade.layout, list(range(parts)), unmasked,
                       part_out, part_lse)
-    merged, merged_lse = out[cascade.q_rows], lse[cascade.q_rows]
-    for i in range(parts):
-        rows = slice(i * n, (i + 1) * n)
-        merged, merged_lse = merge_states(merged, merged_lse, part_out[rows], part_lse[rows])
-    out[cascade.q_rows], lse[cascade.q_rows] = merged, merged_lse
+    return part_out, part_lse

@@ -27,8 +27,6 @@ from tessera.backends.cpu.numba_math import FASTMATH, fast_exp, widen
 from tessera.backends.cpu.simd import LANES, vadd, vexp, vhmax, vload, vmax, vmul, vsplat, vstore, vsub, vsum, vzero
 
 CHUNK = 32
-#: keys between the chunk being computed and the one being prefetched
-PREFETCH_SKIP = 0
 
 @njit(inline="always", fastmath=FASTMATH)
 def _dot_n(qrows, r, krow, n):  # pragma: no cover - compiled
@@ -235,21 +233,20 @@ def _online_softmax_blocked(sc, m, l, acc, cn):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _chunk_offsets(offs, s, seg, j, skip, item_seg_hi, seg_start, seg_end, row_base, block, row_elems):  # pragma: no cover
-    """Flat offsets of up to ``CHUNK`` keys of sequence ``s`` in visiting order, ``skip`` keys after key ``j`` of
-    segment ``seg`` (continuing into the item's next segments); returns how many."""
-    n = -skip
+def _chunk_offsets(offs, at, s, seg, j, item_seg_hi, seg_start, seg_end, row_base, block, row_elems):  # pragma: no cover
+    """Fill ``offs[at:CHUNK]`` with the flat offsets of the keys of sequence ``s`` that follow key ``j`` of segment
+    ``seg`` in visiting order (into the item's later segments, up to ``item_seg_hi``); returns the new fill."""
+    n = at
     while n < CHUNK and seg < item_seg_hi:
         if j >= seg_end[seg]:
             seg += 1
             if seg < item_seg_hi:
                 j = seg_start[seg]
             continue
-        if n >= 0:
-            offs[n] = (row_base[s, j // block] + j % block) * row_elems
+        offs[n] = (row_base[s, j // block] + j % block) * row_elems
         n += 1
         j += 1
-    return max(n, 0)
+    return n
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -257,9 +254,10 @@ def _decode_item_blocked(
     item, q, k, v, part_out, part_lse,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes,
+    scale, softcap, slopes, next_item,
 ):  # pragma: no cover - compiled
-    """:func:`_decode_item` with register-blocked micro-kernels (``D % LANES == 0``; same arguments and results)."""
+    """:func:`_decode_item` with register-blocked micro-kernels (``D % LANES == 0``; same arguments and results),
+    prefetching ahead into ``next_item`` (the item its thread runs next, or -1)."""
     hkv = k.shape[1]
     d = k.shape[2]
     hq = q.shape[1]
@@ -290,8 +288,15 @@ def _decode_item_blocked(
             for c in range(cn):
                 j = j0 + c
                 row_off[c] = (row_base[s, j // block] + j % block) * hkv * d
-            next_n = _chunk_offsets(next_off, s, seg, j0 + cn, PREFETCH_SKIP, item_seg_hi[item], seg_start, seg_end, row_base, block,
-                                    hkv * d)
+            # The keys to prefetch: this item's next chunk, then (at its end) the start of the worker's next item,
+            # whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key suffix item).
+            next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, item_seg_hi[item], seg_start, seg_end, row_base,
+                                    block, hkv * d)
+            if next_n < CHUNK and next_item >= 0:
+                s2 = item_seq[next_item]
+                first = item_seg_lo[next_item]
+                next_n = _chunk_offsets(next_off, next_n, s2, first, seg_start[first], item_seg_hi[next_item],
+                                        seg_start, seg_end, row_base, block, hkv * d)
             for c in range(next_n, CHUNK):  # no next keys there: re-touch this chunk's (a prefetch never faults)
                 next_off[c] = row_off[min(c, cn - 1)]
             _scores_blocked(sc, qrows, k, row_off, hkv, rows_h, d, cn, next_off)
@@ -327,14 +332,15 @@ def decode_item(
     item, q, k, v, part_out, part_lse,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes,
+    scale, softcap, slopes, next_item,
 ):  # pragma: no cover - compiled
-    """One work item, by the register-blocked kernel when the head dim is a multiple of the vector width."""
+    """One work item, by the register-blocked kernel when the head dim is a multiple of the vector width;
+    ``next_item``: the item the same thread runs next (-1: none), whose first keys are prefetched."""
     if k.shape[2] % LANES == 0:
         _decode_item_blocked(
             item, q, k, v, part_out, part_lse,
             item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, next_item,
         )
     else:
         _decode_item(
@@ -369,6 +375,7 @@ def decode_attention_kernel(
                 item_order[i], q, k, v, part_out, part_lse,
                 item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
                 seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+                item_order[i + 1] if i + 1 < worker_start[w + 1] else -1,
             )
 
 
@@ -386,6 +393,7 @@ def decode_attention_serial(
             item, q, k, v, part_out, part_lse,
             item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
             seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+            item + 1 if item + 1 < item_seq.shape[0] else -1,
         )
 
 

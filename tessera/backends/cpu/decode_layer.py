@@ -169,7 +169,7 @@ def decoder_layer_kernel(
     for item in range(item_seq.shape[0]):
         decode_item(item, qf, k_rows, v_rows, att, lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len,
                      seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-                     scale, softcap, slopes)
+                     scale, softcap, slopes, item + 1 if item + 1 < item_seq.shape[0] else -1)
     att_s = np.empty((t_count, hq * d), dtype=x.dtype)
     for t in range(t_count):
         for a in range(hq):
