@@ -250,12 +250,8 @@ class DecodePlan:
             part_out = np.empty((self.num_items, self.rows_per_item, self.head_dim), dtype=np.float32)
             part_lse = np.empty((self.num_items, self.rows_per_item), dtype=np.float32)
         args = (qn, storage_view(k_rows), storage_view(v_rows), part_out, part_lse, *self.arrays)
-        if self.serial:
-            decode_attention_serial(*args)
-        else:
-            # Chunks of one item, handed out dynamically: a descheduled thread delays one item, not half the batch.
-            with numba.parallel_chunksize(1):
-                decode_attention_kernel(*args)
+        # The plan assigned items to workers (``_schedule``): one prange iteration per worker.
+        (decode_attention_serial if self.serial else decode_attention_kernel)(*args)
         if self.direct:
             return
         merge_args = (part_out, part_lse, self.seq_item_lo, self.seq_item_hi, self.q_start, self.q_len, out.numpy(),
