@@ -15,6 +15,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
+
+# Idle OpenMP threads of torch and Numba spin by default and starve each other on a small shared machine; must be set
+# before torch loads its OpenMP runtime (see kernels_cpu.py). Without it, our kernel's time right after a torch.sum or
+# SDPA baseline included the other pool's spinning (paged bf16 b=8: 12.6 ms in the table, 8.1 ms timed alone).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 import json
 from typing import Any
 
