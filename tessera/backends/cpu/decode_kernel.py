@@ -243,10 +243,27 @@ def _chunk_offsets(offs, at, s, seg, j, item_seg_hi, seg_start, seg_end, row_bas
             if seg < item_seg_hi:
                 j = seg_start[seg]
             continue
-        offs[n] = (row_base[s, j // block] + j % block) * row_elems
-        n += 1
-        j += 1
+        take = min(CHUNK - n, seg_end[seg] - j)
+        _row_offsets(offs, n, s, j, take, row_base, block, row_elems)
+        n += take
+        j += take
     return n
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _row_offsets(offs, at, s, j0, count, row_base, block, row_elems):  # pragma: no cover - compiled
+    """``offs[at + t]``: flat offset of key ``j0 + t``'s token row (``t < count``), walking the pages without a
+    division per key (two 64-bit divisions per key cost ~5% of a chunk)."""
+    if count <= 0:
+        return
+    page = j0 // block
+    slot = j0 - page * block
+    for t in range(count):
+        offs[at + t] = (row_base[s, page] + slot) * row_elems
+        slot += 1
+        if slot == block:
+            slot = 0
+            page += 1
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -285,9 +302,7 @@ def _decode_item_blocked(
         moff = seg_mask_off[seg]
         for j0 in range(j_begin, j_end, CHUNK):
             cn = min(CHUNK, j_end - j0)
-            for c in range(cn):
-                j = j0 + c
-                row_off[c] = (row_base[s, j // block] + j % block) * hkv * d
+            _row_offsets(row_off, 0, s, j0, cn, row_base, block, hkv * d)
             # The keys to prefetch: this item's next chunk, then (at its end) the start of the worker's next item,
             # whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key suffix item).
             next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, item_seg_hi[item], seg_start, seg_end, row_base,

@@ -252,6 +252,22 @@ def _ot_1x4(v, vo, tn, x, pt, r0, rp, ot):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _key_offsets(offs, j0, count, row_base, block, hkv, hk, d):  # pragma: no cover - compiled
+    """``offs[t]``: flat offset of head ``hk`` of key ``j0 + t`` (``t < count``), walking pages without a division
+    per key (two 64-bit divisions per key were ~5% of a tile)."""
+    if count <= 0:
+        return
+    page = j0 // block
+    slot = j0 - page * block
+    for t in range(count):
+        offs[t] = ((row_base[page] + slot) * hkv + hk) * d
+        slot += 1
+        if slot == block:
+            slot = 0
+            page += 1
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _prefetch_keys(k, v, offs, t_lo, t_hi, d):  # pragma: no cover - compiled
     """Prefetch the head vectors (``d`` elements at ``offs[t]``) of keys ``t_lo <= t < t_hi`` in K and V."""
     step = line_elements(k)
@@ -321,15 +337,11 @@ def shared_prefix_kernel(q, k, v, q_rows, row_base, block, part_bounds, scale, s
         j_end = part_bounds[part + 1]
         for j0 in range(part_bounds[part], j_end, KEY_TILE):
             tn = min(KEY_TILE, j_end - j0)
-            for t in range(tn):
-                j = j0 + t
-                ko[t] = ((row_base[j // block] + j % block) * hkv + hk) * d
-            # The next tile's head vectors (512 B every 4 KiB token row at Hkv=8) are fetched during this tile's
-            # first row block: without it the kernel waits on those strided misses (~30% of its time at 32 x 4k).
+            _key_offsets(ko, j0, tn, row_base, block, hkv, hk, d)
+            # The next tile's head vectors (512 B every 4 KiB token row at Hkv=8) are prefetched during this tile's
+            # first row block.
             nn = max(0, min(KEY_TILE, j_end - j0 - KEY_TILE))
-            for t in range(nn):
-                j = j0 + KEY_TILE + t
-                nko[t] = ((row_base[j // block] + j % block) * hkv + hk) * d
+            _key_offsets(nko, j0 + KEY_TILE, nn, row_base, block, hkv, hk, d)
             for r0 in range(0, rp, ROW_BLOCK):
                 t = 0
                 while t + 6 <= tn:
