@@ -33,7 +33,6 @@ from tessera.backends.cpu.simd import (
 
 #: output vectors per row that :func:`pv_4x4` keeps in registers (4 rows x 4 = 16 accumulators)
 PV_COLS = 4
-PREFETCH = True
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -58,7 +57,7 @@ def qk_4x4(qrows, q_off, d, k, k0, k1, k2, k3, sc, s_off, s_stride, n0, n1, n2, 
     a15 = vzero()
     line_mask = line_elements(k) - 1  # a power of two: prefetch once per cache line of K
     for x in range(0, d, LANES):
-        if PREFETCH and x & line_mask == 0:
+        if x & line_mask == 0:
             prefetch(k, n0 + x)
             prefetch(k, n1 + x)
             prefetch(k, n2 + x)
@@ -129,10 +128,9 @@ def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, c_lo, c_hi, nex
     one_per_line = line_elements(v) <= LANES  # else two vectors share a line (16-bit storage, 16 lanes)
     for c in range(c_lo, c_hi):
         ahead = next_offs[c] + v_add
-        if PREFETCH:
-            prefetch(v, ahead)
-            prefetch(v, ahead + 2 * LANES)
-        if PREFETCH and one_per_line:
+        prefetch(v, ahead)
+        prefetch(v, ahead + 2 * LANES)
+        if one_per_line:
             prefetch(v, ahead + LANES)
             prefetch(v, ahead + 3 * LANES)
         base = v_offs[c] + v_add

@@ -8,6 +8,11 @@ state stays in L1/L2. K and V are read exactly once. Long sequences are split in
 flash-decoding) so that a small batch still fills every core; :func:`merge_parts_kernel` combines the parts by their
 log-sum-exp.
 
+Head dims that are a multiple of the SIMD width (``simd.LANES``) run :func:`_decode_item_blocked`: the same item
+structure with register-blocked micro-kernels (``attn_microkernels.py``), a vector online softmax, and the next
+chunk's K/V prefetched line for line while the current one is read (the core does not overlap its compute with the
+misses on its own). Other head dims run the scalar :func:`_decode_item`.
+
 Lengths are run-time values, so new lengths never recompile; a kernel is compiled once per storage dtype (float32;
 bf16 and fp16 arrive as 16-bit integer views and are widened by bit operations) and cached on disk.
 
