@@ -2,8 +2,9 @@
 
 When requests share their first pages (a common system prompt, parallel samples of one prompt), attending to that
 prefix separately per request reads the same K/V once per request, and each read is a memory-bound GEMV. Stacking the
-group's queries instead turns the prefix into one query tile of a BLAS GEMM that reads the prefix once; each request
-then attends only to its own suffix in the decode kernel, and the two partial results merge by log-sum-exp.
+group's queries instead turns the prefix into one GEMM-shaped pass that reads the prefix once (the Numba kernel of
+``prefix_kernel.py``, or BLAS query tiles for head dims off the SIMD width); each request then attends only to its
+own suffix in the decode kernel, and the two partial results merge by log-sum-exp.
 
 The plan uses a cascade only where it cannot change the result: the mask must keep every prefix key for every
 query of the group (checked with the mask's tile classification) and the score function must not depend on positions
