@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -19,6 +20,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: (4% of a B=8, L=4096 decode). Only specs whose plan depends on nothing a caller could change in place qualify.
 _PLANS: OrderedDict = OrderedDict()
 _PLAN_CACHE_SIZE = 8
+_PLANS_LOCK = threading.Lock()  # the server may call attention from several threads
 _PURE_MASKS = (masks._Causal, masks._SlidingWindow, masks._Chunked, masks._PrefixLM)
 
 
@@ -136,14 +138,16 @@ def _plan(chosen, spec: AttentionSpec, batch: RaggedBatch):
     if chosen.name != "cpu" or not _pure(spec.mask) or not (spec.score is None or isinstance(spec.score, Softcap)):
         return chosen.plan(spec, batch, KVLayout.contiguous(batch))
     key = (id(spec), batch.q_lens, batch.kv_lens)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0] is spec:  # the entry holds the spec, so its id cannot have been reused
-        _PLANS.move_to_end(key)
-        return hit[1]
+    with _PLANS_LOCK:
+        hit = _PLANS.get(key)
+        if hit is not None and hit[0] is spec:  # the entry holds the spec, so its id cannot have been reused
+            _PLANS.move_to_end(key)
+            return hit[1]
     state = chosen.plan(spec, batch, KVLayout.contiguous(batch))
-    _PLANS[key] = (spec, state)
-    while len(_PLANS) > _PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
+    with _PLANS_LOCK:
+        _PLANS[key] = (spec, state)
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
     return state
 
 
