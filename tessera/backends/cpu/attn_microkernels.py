@@ -99,9 +99,9 @@ def qk_1x1(qrows, q_off, d, k, k_off):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, c_lo, c_hi, next_offs):  # pragma: no cover - compiled
+def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, cn, next_offs):  # pragma: no cover - compiled
     """``acc`` rows ``a_off + i * d`` (``i < 4``), columns ``[0, 4 * LANES)`` from there, plus
-    ``sum_c sc.flat[s_off + i * s_stride + c] * v[v_offs[c] + v_add : + 4 * LANES]`` over keys ``c_lo <= c < c_hi``;
+    ``sum_c sc.flat[s_off + i * s_stride + c] * v[v_offs[c] + v_add : + 4 * LANES]`` over the chunk's ``cn`` keys;
     prefetches the same span of the keys at ``next_offs[c]`` (the next chunk's)."""
     r1 = a_off + d
     r2 = a_off + 2 * d
@@ -126,7 +126,7 @@ def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, c_lo, c_hi, nex
     s2 = s_off + 2 * s_stride
     s3 = s_off + 3 * s_stride
     one_per_line = line_elements(v) <= LANES  # else two vectors share a line (16-bit storage, 16 lanes)
-    for c in range(c_lo, c_hi):
+    for c in range(cn):
         ahead = next_offs[c] + v_add
         prefetch(v, ahead)
         prefetch(v, ahead + 2 * LANES)
@@ -177,13 +177,13 @@ def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, c_lo, c_hi, nex
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def pv_1x4(acc, a_off, v, v_offs, v_add, sc, s_off, c_lo, c_hi):  # pragma: no cover - compiled
+def pv_1x4(acc, a_off, v, v_offs, v_add, sc, s_off, cn):  # pragma: no cover - compiled
     """:func:`pv_4x4` for one row (GQA groups below 4 leave 1-3 rows per kv head)."""
     a0 = vload(acc, a_off)
     a1 = vload(acc, a_off + LANES)
     a2 = vload(acc, a_off + 2 * LANES)
     a3 = vload(acc, a_off + 3 * LANES)
-    for c in range(c_lo, c_hi):
+    for c in range(cn):
         base = v_offs[c] + v_add
         p = vbroadcast(sc, s_off + c)
         a0 = vfma(p, vload(v, base), a0)
@@ -197,10 +197,10 @@ def pv_1x4(acc, a_off, v, v_offs, v_add, sc, s_off, c_lo, c_hi):  # pragma: no c
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def pv_1x1(acc, a_off, v, v_offs, v_add, sc, s_off, c_lo, c_hi):  # pragma: no cover - compiled
+def pv_1x1(acc, a_off, v, v_offs, v_add, sc, s_off, cn):  # pragma: no cover - compiled
     """One output vector: ``acc[a_off : + LANES] += sum_c sc.flat[s_off + c] * v[v_offs[c] + v_add : + LANES]`` over
-    keys ``c_lo <= c < c_hi``."""
+    the chunk's ``cn`` keys."""
     a0 = vload(acc, a_off)
-    for c in range(c_lo, c_hi):
+    for c in range(cn):
         a0 = vfma(vbroadcast(sc, s_off + c), vload(v, v_offs[c] + v_add), a0)
     vstore(acc, a_off, a0)

@@ -87,6 +87,22 @@ def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # 
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _write_item(item, acc, m, l, part_out, part_lse):  # pragma: no cover - compiled
+    """Normalize an item's accumulators into ``part_out[item]`` and write its lse (0 and -inf for rows that saw no
+    key)."""
+    for r in range(m.shape[0]):
+        if l[r] > 0.0:
+            inv = np.float32(1.0) / l[r]
+            for x in range(acc.shape[1]):
+                part_out[item, r, x] = acc[r, x] * inv
+            part_lse[item, r] = m[r] + math.log(l[r])
+        else:
+            for x in range(acc.shape[1]):
+                part_out[item, r, x] = 0.0
+            part_lse[item, r] = -np.inf
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _decode_item(
     item, q, k, v, part_out, part_lse,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
@@ -131,16 +147,7 @@ def _decode_item(
                     vrow = v[rows[c], hk]
                     for r in range(hk * group * nq, (hk + 1) * group * nq):
                         _axpy(acc, r, sc[r, c], vrow, d)
-    for r in range(nrows):
-        if l[r] > 0.0:
-            inv = np.float32(1.0) / l[r]
-            for x in range(d):
-                part_out[item, r, x] = acc[r, x] * inv
-            part_lse[item, r] = m[r] + math.log(l[r])
-        else:
-            for x in range(d):
-                part_out[item, r, x] = 0.0
-            part_lse[item, r] = -np.inf
+    _write_item(item, acc, m, l, part_out, part_lse)
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -188,14 +195,14 @@ def _values_blocked(acc, sc, v, row_off, hkv, rows_h, d, cn, next_off):  # pragm
         while x + block <= d:
             rr = r
             while rr + 4 <= r_end:
-                pv_4x4(acc, rr * d + x, d, v, row_off, koff + x, sc, rr * stride, stride, 0, cn, next_off)
+                pv_4x4(acc, rr * d + x, d, v, row_off, koff + x, sc, rr * stride, stride, cn, next_off)
                 rr += 4
             for r1 in range(rr, r_end):
-                pv_1x4(acc, r1 * d + x, v, row_off, koff + x, sc, r1 * stride, 0, cn)
+                pv_1x4(acc, r1 * d + x, v, row_off, koff + x, sc, r1 * stride, cn)
             x += block
         for r1 in range(r, r_end):
             for xx in range(x, d, LANES):
-                pv_1x1(acc, r1 * d + xx, v, row_off, koff + xx, sc, r1 * stride, 0, cn)
+                pv_1x1(acc, r1 * d + xx, v, row_off, koff + xx, sc, r1 * stride, cn)
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -335,16 +342,7 @@ def _decode_item_blocked(
                 _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
             _online_softmax_blocked(sc, m, l, acc, cn)
             _values_blocked(acc, sc, v, row_off, hkv, rows_h, d, cn, next_off)
-    for r in range(nrows):
-        if l[r] > 0.0:
-            inv = np.float32(1.0) / l[r]
-            for x in range(d):
-                part_out[item, r, x] = acc[r, x] * inv
-            part_lse[item, r] = m[r] + math.log(l[r])
-        else:
-            for x in range(d):
-                part_out[item, r, x] = 0.0
-            part_lse[item, r] = -np.inf
+    _write_item(item, acc, m, l, part_out, part_lse)
 
 
 @njit(inline="always", fastmath=FASTMATH)

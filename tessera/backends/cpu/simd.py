@@ -157,39 +157,74 @@ def vfma(typingctx, a, b, c):
     sig = f32vec(f32vec, f32vec, f32vec)
 
     def codegen(context, builder, signature, args):
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{LANES}f32")
+        fma = _fma_function(builder)
         return builder.call(fma, list(args))
 
     return sig, codegen
 
 
-@intrinsic
-def vmul(typingctx, a, b):
-    """``a * b`` lane by lane."""
-    if (a, b) != (f32vec, f32vec):
-        raise TypingError(f"vmul: expected two {f32vec}, got {a}, {b}")
-    sig = f32vec(f32vec, f32vec)
-
-    def codegen(context, builder, signature, args):
-        return builder.fmul(args[0], args[1])
-
-    return sig, codegen
+def _fma_function(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{LANES}f32")
 
 
 def _mask(values):
     return ir.Constant(ir.VectorType(ir.IntType(32), len(values)), list(values))
 
 
-def _hsum(builder, vec):
-    """Sum of a vector's lanes by halving (log2(LANES) shuffles and adds)."""
+def _reduce_lanes(builder, vec, combine):
+    """``combine`` of all of a vector's lanes by halving (log2(LANES) shuffle pairs)."""
     width = vec.type.count
     while width > 1:
         half = width // 2
         lo = builder.shuffle_vector(vec, vec, _mask(range(half)))
         hi = builder.shuffle_vector(vec, vec, _mask(range(half, width)))
-        vec = builder.fadd(lo, hi)
+        vec = combine(builder, lo, hi)
         width = half
     return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
+
+
+def _max(builder, a, b):
+    """``a > b ? a : b`` lane by lane: -inf stays -inf (the kernels never feed NaN)."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+def _hsum(builder, vec):
+    return _reduce_lanes(builder, vec, lambda b, lo, hi: b.fadd(lo, hi))
+
+
+def _lane_op(name: str, emit, doc: str):
+    """An intrinsic ``name(a, b) -> f32vec`` whose lanes are ``emit(builder, a, b)``."""
+
+    def typer(typingctx, a, b):
+        if (a, b) != (f32vec, f32vec):
+            raise TypingError(f"{name}: expected two {f32vec}, got {a}, {b}")
+
+        def codegen(context, builder, signature, args):
+            return emit(builder, args[0], args[1])
+
+        return f32vec(f32vec, f32vec), codegen
+
+    typer.__name__, typer.__qualname__, typer.__doc__ = name, name, doc
+    return intrinsic(typer)
+
+
+vadd = _lane_op("vadd", lambda b, x, y: b.fadd(x, y), "``a + b`` lane by lane.")
+vsub = _lane_op("vsub", lambda b, x, y: b.fsub(x, y), "``a - b`` lane by lane.")
+vmul = _lane_op("vmul", lambda b, x, y: b.fmul(x, y), "``a * b`` lane by lane.")
+vmax = _lane_op("vmax", _max, "Lane-wise maximum (``a > b ? a : b``: -inf stays -inf; kernels never feed NaN here).")
+
+
+@intrinsic
+def vhmax(typingctx, a):
+    """The largest lane of ``a``, as float32."""
+    if a != f32vec:
+        raise TypingError(f"vhmax: expected {f32vec}, got {a}")
+    sig = types.float32(f32vec)
+
+    def codegen(context, builder, signature, args):
+        return _reduce_lanes(builder, args[0], _max)
+
+    return sig, codegen
 
 
 @intrinsic
@@ -329,66 +364,6 @@ def line_elements(typingctx, arr):
     return sig, codegen
 
 
-@intrinsic
-def vmax(typingctx, a, b):
-    """Lane-wise maximum (``a > b ? a : b``: -inf stays -inf; kernels never feed NaN here)."""
-    if (a, b) != (f32vec, f32vec):
-        raise TypingError(f"vmax: expected two {f32vec}, got {a}, {b}")
-    sig = f32vec(f32vec, f32vec)
-
-    def codegen(context, builder, signature, args):
-        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
-
-    return sig, codegen
-
-
-@intrinsic
-def vhmax(typingctx, a):
-    """The largest lane of ``a``, as float32."""
-    if a != f32vec:
-        raise TypingError(f"vhmax: expected {f32vec}, got {a}")
-    sig = types.float32(f32vec)
-
-    def codegen(context, builder, signature, args):
-        vec = args[0]
-        width = LANES
-        while width > 1:
-            half = width // 2
-            lo = builder.shuffle_vector(vec, vec, _mask(range(half)))
-            hi = builder.shuffle_vector(vec, vec, _mask(range(half, width)))
-            vec = builder.select(builder.fcmp_ordered(">", lo, hi), lo, hi)
-            width = half
-        return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
-
-    return sig, codegen
-
-
-@intrinsic
-def vsub(typingctx, a, b):
-    """``a - b`` lane by lane."""
-    if (a, b) != (f32vec, f32vec):
-        raise TypingError(f"vsub: expected two {f32vec}, got {a}, {b}")
-    sig = f32vec(f32vec, f32vec)
-
-    def codegen(context, builder, signature, args):
-        return builder.fsub(args[0], args[1])
-
-    return sig, codegen
-
-
-@intrinsic
-def vadd(typingctx, a, b):
-    """``a + b`` lane by lane."""
-    if (a, b) != (f32vec, f32vec):
-        raise TypingError(f"vadd: expected two {f32vec}, got {a}, {b}")
-    sig = f32vec(f32vec, f32vec)
-
-    def codegen(context, builder, signature, args):
-        return builder.fadd(args[0], args[1])
-
-    return sig, codegen
-
-
 def _vconst(value):
     return ir.Constant(_VEC, [float(value)] * LANES)
 
@@ -404,10 +379,10 @@ def vexp(typingctx, x):
     def codegen(context, builder, signature, args):
         x = args[0]
         i32v = ir.VectorType(ir.IntType(32), LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{LANES}f32")
+        fma = _fma_function(builder)
         floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC]), f"llvm.floor.v{LANES}f32")
         low = _vconst(-100.0)
-        xc = builder.select(builder.fcmp_ordered(">", x, low), x, low)
+        xc = _max(builder, x, low)
         n = builder.call(floor, [builder.call(fma, [xc, _vconst(1.4426950408889634), _vconst(0.5)])])
         # ln 2 split in two (Cody-Waite): n * 0.693359375 is exact, the small part carries the rest
         r = builder.call(fma, [n, _vconst(-0.693359375), xc])
