@@ -8,7 +8,7 @@ import torch
 
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
-from tessera.backends.cpu.cascade import Cascade, find_cascades, run_cascade
+from tessera.backends.cpu.cascade import Cascade, cascade_prefix, find_cascades, merge_cascade
 from tessera.backends.cpu.decode import DECODE_MAX_Q, DecodePlan, kernel_supports
 from tessera.backends.cpu.prefill import prefill_attention
 
@@ -58,10 +58,13 @@ class CpuBackend:
     def run(self, plan: CpuPlan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor) -> None:
         """Fill ``out`` / ``lse`` (float32, without sinks) for one layer; K/V are token rows addressed by the plan."""
+        # Shared prefixes first (see cascade_prefix), then every decode including the cascades' suffixes, then the
+        # prefixes merge into those suffix rows.
+        prefixes = [cascade_prefix(c, plan.spec, q, k_rows, v_rows) for c in plan.cascades]
         if plan.decode is not None:
             plan.decode.run(q, k_rows, v_rows, out, lse)
-        for cascade in plan.cascades:  # after the suffixes: merges the shared prefix into their rows
-            run_cascade(cascade, plan.spec, q, k_rows, v_rows, out, lse)
+        for cascade, parts in zip(plan.cascades, prefixes, strict=True):
+            merge_cascade(cascade, parts, out, lse)
         if plan.prefill_seqs:
             prefill_attention(q, k_rows, v_rows, plan.batch, plan.layout, plan.prefill_seqs, plan.spec, out, lse)
 

@@ -103,21 +103,35 @@ def _make(batch: RaggedBatch, members: list[int], prefix: int, layout: KVLayout)
                    KVLayout(part_base, layout.block), np.ascontiguousarray(base[:pages], dtype=np.int64), layout.block)
 
 
-def run_cascade(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Attend the members' stacked queries to the shared prefix and merge into their suffix results in ``out``/``lse``.
+def cascade_prefix(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_rows: torch.Tensor,
+                   v_rows: torch.Tensor) -> tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor]:
+    """Attend the members' stacked queries to the shared prefix: one partial result per key part, float32
+    ``[parts, n, Hq, D]`` / ``[parts, n, Hq]`` (``[parts * n, ...]`` on the BLAS path), for :func:`merge_cascade`.
 
     Every prefix key is visible to every member (checked at plan time), so the prefix runs unmasked. Head dims that
     are a multiple of the SIMD width run the Numba prefix kernel (``prefix_kernel.py``: outer-product micro-kernels
     at GEMM speed with any BLAS); others run as BLAS query tiles (``prefill_attention``), one pseudo-sequence per part.
+
+    The backend runs this before the members' suffix decode: the prefix pass is compute-bound and reads the prefix
+    only once, so it gains most from finding the prefix still in L3 (where a plain step or the previous layer's
+    tokens left it); the suffix decode streams from memory either way. Measured on the 32 x (4096 + 128) case right
+    after a plain step: 7.8 ms this way round against 8.2 ms suffix first.
     """
-    n = len(cascade.q_rows)
     if spec.head_dim % LANES == 0:
-        part_out, part_lse = _prefix_by_kernel(cascade, spec, q, k_rows, v_rows)
+        return _prefix_by_kernel(cascade, spec, q, k_rows, v_rows)
+    return _prefix_by_blas(cascade, spec, q, k_rows, v_rows)
+
+
+def merge_cascade(cascade: Cascade, parts: tuple[np.ndarray | torch.Tensor, np.ndarray | torch.Tensor],
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge :func:`cascade_prefix`'s parts by log-sum-exp into the members' suffix results in ``out`` / ``lse``
+    (float32, in place)."""
+    part_out, part_lse = parts
+    if isinstance(part_out, np.ndarray):
         # One Numba pass (the torch merge of [32, 32, 128] rows cost ~0.4 ms per step, 5% of the cascade)
         merge_prefix_parts(out.numpy(), lse.numpy(), cascade.q_rows.numpy(), part_out, part_lse)
         return
-    part_out, part_lse = _prefix_by_blas(cascade, spec, q, k_rows, v_rows)
+    n = len(cascade.q_rows)
     merged, merged_lse = out[cascade.q_rows], lse[cascade.q_rows]
     for i in range(part_out.shape[0] // n):
         rows = slice(i * n, (i + 1) * n)
