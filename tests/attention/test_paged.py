@@ -243,3 +243,19 @@ def test_cascade_prefix_paths_match_oracle(hkv: int, d: int, score: str | None, 
     out, lse = p.run(q, k_pages, v_pages, return_lse=True)
     assert [c.members for c in p._state.cascades] == [[0, 1, 2, 3, 4]]
     assert_matches_oracle(out, lse, *oracle(q, k, v, layout, spec), dtype, f"cascade hkv={hkv} d={d} {score}")
+
+
+@pytest.mark.parametrize("serial_limit", [0, 1 << 20], ids=["pool-merge", "serial-merge"])
+def test_cascade_merge_paths_match_oracle(serial_limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefix merge on the pool (large groups) and on the calling thread (small ones) give the oracle's result."""
+    from tessera.backends.cpu import cascade
+
+    monkeypatch.setattr(cascade, "SERIAL_MERGE_ELEMENTS", serial_limit)
+    gen = torch.Generator().manual_seed(seed_of(f"merge-{serial_limit}"))
+    layout, q, k_pages, v_pages, table, k, v = shared_prefix_batch(gen, torch.float32, cascade.MIN_PREFIX_KEYS // 16 + 3,
+                                                                   [1, 7, 30], d=64)
+    spec = AttentionSpec(8, 2, 64, mask=causal())
+    p = plan(spec, list(layout.q_lens), list(layout.kv_lens), table, 16, backend="cpu")
+    out, lse = p.run(q, k_pages, v_pages, return_lse=True)
+    assert len(p._state.cascades) == 1
+    assert_matches_oracle(out, lse, *oracle(q, k, v, layout, spec), torch.float32, f"cascade merge {serial_limit}")

@@ -376,30 +376,44 @@ def shared_prefix_kernel(q, k, v, q_rows, row_base, block, part_bounds, scale, s
                     lse[part, i, h] = -np.inf
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def _merge_member(i, out, lse, q_rows, part_out, part_lse):  # pragma: no cover - compiled
+    """Member ``i`` of :func:`merge_prefix_parts`."""
+    parts, _, hq, d = part_out.shape
+    row = q_rows[i]
+    for h in range(hq):
+        mx = lse[row, h]
+        for p in range(parts):
+            mx = max(mx, part_lse[p, i, h])
+        if mx == -np.inf:
+            continue  # nothing visible anywhere: the row stays as the suffix pass left it (zeros, -inf)
+        w0 = math.exp(lse[row, h] - mx)
+        total = w0
+        for x in range(d):
+            out[row, h, x] *= w0
+        for p in range(parts):
+            w = math.exp(part_lse[p, i, h] - mx)
+            total += w
+            for x in range(d):
+                out[row, h, x] += w * part_out[p, i, h, x]
+        inv = 1.0 / total
+        for x in range(d):
+            out[row, h, x] *= inv
+        lse[row, h] = mx + math.log(total)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def merge_prefix_parts(out, lse, q_rows, part_out, part_lse):  # pragma: no cover - compiled
     """Fold the prefix parts into the members' rows of ``out [tokens, Hq, D]`` / ``lse [tokens, Hq]`` (float32,
     holding their suffix results) by log-sum-exp, in place; ``part_out [parts, n, Hq, D]``, ``part_lse [parts, n,
     Hq]`` from :func:`shared_prefix_kernel`."""
-    parts, n, hq, d = part_out.shape
-    for i in prange(n):
-        row = q_rows[i]
-        for h in range(hq):
-            mx = lse[row, h]
-            for p in range(parts):
-                mx = max(mx, part_lse[p, i, h])
-            if mx == -np.inf:
-                continue  # nothing visible anywhere: the row stays as the suffix pass left it (zeros, -inf)
-            w0 = math.exp(lse[row, h] - mx)
-            total = w0
-            for x in range(d):
-                out[row, h, x] *= w0
-            for p in range(parts):
-                w = math.exp(part_lse[p, i, h] - mx)
-                total += w
-                for x in range(d):
-                    out[row, h, x] += w * part_out[p, i, h, x]
-            inv = 1.0 / total
-            for x in range(d):
-                out[row, h, x] *= inv
-            lse[row, h] = mx + math.log(total)
+    for i in prange(part_out.shape[1]):
+        _merge_member(i, out, lse, q_rows, part_out, part_lse)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def merge_prefix_parts_serial(out, lse, q_rows, part_out, part_lse):  # pragma: no cover - compiled
+    """:func:`merge_prefix_parts` on the calling thread (small merges: 32 members x 32 heads x 128 took 0.06 ms
+    this way against 0.12 ms waking the pool)."""
+    for i in range(part_out.shape[1]):
+        _merge_member(i, out, lse, q_rows, part_out, part_lse)
