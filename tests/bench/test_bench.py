@@ -124,3 +124,16 @@ def test_cli_bench_then_compare_flags_a_deliberately_slowed_kernel(tmp_path, mon
     assert main(["bench", "compare", str(old), str(old)]) == 0
     assert main(["bench", "plot", str(old), "--out", str(tmp_path / "p")]) == 0
     assert (tmp_path / "p" / "old-roofline.png").exists() and (tmp_path / "p" / "old-latency.png").exists()
+
+
+def test_attention_breakdown_script_smoke():
+    """`benchmarks/attention_breakdown.py --quick` runs end to end (both reports, tiny shapes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "benchmarks/attention_breakdown.py", "--quick", "--reps", "2"],
+                          capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "kernel alone" in proc.stdout and "suffix decode" in proc.stdout
