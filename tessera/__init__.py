@@ -19,6 +19,12 @@ __version__ = "0.1.0"
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
+# Compiled Numba kernels live in a directory keyed by their sources (Numba alone misses edits to inlined helpers).
+from tessera._numba_cache import configure as _configure_numba_cache  # noqa: E402
+
+_configure_numba_cache()
+del _configure_numba_cache
+
 #: top-level name -> the module that defines it
 _LAZY = {
     "LLM": "tessera.engine.llm",
