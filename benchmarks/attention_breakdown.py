@@ -23,24 +23,24 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP (see benchmarks/kernels_cpu.py)
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from attention_cpu import time_interleaved  # noqa: E402  (same folder: the interleaved median timer)
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from attention_cpu import time_interleaved  # same folder: the interleaved median timer
+from rich.console import Console
+from rich.table import Table
 
-from tessera.attention import AttentionSpec, attention, causal, plan  # noqa: E402
-from tessera.backends.base import KVLayout, RaggedBatch  # noqa: E402
-from tessera.backends.cpu import cascade as cascade_mod  # noqa: E402
-from tessera.backends.cpu.backend import CpuBackend  # noqa: E402
-from tessera.backends.cpu.decode import storage_view  # noqa: E402
-from tessera.backends.cpu.decode_kernel import decode_attention_kernel  # noqa: E402
-from tessera.bench.suites.paged import D, HKV, HQ, PAGE  # noqa: E402
-from tessera.hw import get_ceilings  # noqa: E402
+from tessera.attention import AttentionSpec, attention, causal, plan
+from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.backends.cpu import cascade as cascade_mod
+from tessera.backends.cpu.backend import CpuBackend
+from tessera.backends.cpu.decode import storage_view
+from tessera.backends.cpu.decode_kernel import decode_attention_kernel
+from tessera.bench.suites.paged import HKV, HQ, PAGE, D, make_shared_prefix_batch
+from tessera.hw import get_ceilings
 
 
 def decode_rows(reps: int, quick: bool) -> list[dict[str, Any]]:
@@ -77,16 +77,8 @@ def decode_rows(reps: int, quick: bool) -> list[dict[str, Any]]:
 def cascade_rows(reps: int, quick: bool) -> list[dict[str, Any]]:
     """The cascade step against the plain plan, and the step's parts, in ms."""
     n, prefix, own = (8, 1024, 128) if quick else (32, 4096, 128)
-    gen = torch.Generator().manual_seed(0)
-    prefix_pages, own_pages = prefix // PAGE, own // PAGE
-    num_pages = prefix_pages + n * own_pages
-    k_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
-    v_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
-    table = torch.zeros(n, prefix_pages + own_pages, dtype=torch.int32)
-    table[:, :prefix_pages] = torch.arange(prefix_pages, dtype=torch.int32)
-    table[:, prefix_pages:] = prefix_pages + torch.arange(n * own_pages, dtype=torch.int32).view(n, own_pages)
-    q = torch.randn(n, HQ, D, generator=gen)
-    spec, kv_lens = AttentionSpec(HQ, HKV, D, mask=causal()), [prefix + own] * n
+    q, k_pages, v_pages, table, kv_lens = make_shared_prefix_batch(n, prefix, own, torch.Generator().manual_seed(0))
+    spec = AttentionSpec(HQ, HKV, D, mask=causal())
     plans = {}
     for enabled in (True, False):
         cascade_mod.ENABLED = enabled

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.attention import AttentionSpec, causal, plan
-from tessera.bench.suites.paged import D, HKV, HQ, PAGE, gather_then_sdpa, make_batch
+from tessera.bench.suites.paged import D, HKV, HQ, PAGE, gather_then_sdpa, make_batch, make_shared_prefix_batch
 
 
 def run_case(name: str, kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:
@@ -83,16 +83,8 @@ def cascade_case(reps: int, quick: bool) -> dict[str, Any]:
     import tessera.backends.cpu.cascade as cascade
 
     n, prefix, own = (8, 1024, 128) if quick else (32, 4096, 128)
-    gen = torch.Generator().manual_seed(0)
-    prefix_pages, own_pages = prefix // PAGE, own // PAGE
-    num_pages = prefix_pages + n * own_pages
-    k_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
-    v_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
-    table = torch.zeros(n, prefix_pages + own_pages, dtype=torch.int32)
-    table[:, :prefix_pages] = torch.arange(prefix_pages, dtype=torch.int32)
-    table[:, prefix_pages:] = prefix_pages + torch.arange(n * own_pages, dtype=torch.int32).view(n, own_pages)
-    q = torch.randn(n, HQ, D, generator=gen)
-    spec, kv_lens = AttentionSpec(HQ, HKV, D, mask=causal()), [prefix + own] * n
+    q, k_pages, v_pages, table, kv_lens = make_shared_prefix_batch(n, prefix, own, torch.Generator().manual_seed(0))
+    spec = AttentionSpec(HQ, HKV, D, mask=causal())
     plans = {}
     for enabled in (True, False):
         cascade.ENABLED = enabled

@@ -36,6 +36,21 @@ def make_batch(kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, gen: t
     return q, k_pages, v_pages, table
 
 
+def make_shared_prefix_batch(n: int, prefix: int, own: int, gen: torch.Generator):
+    """``n`` decodes whose first ``prefix`` keys are the same pages, each with ``own`` keys of its own (float32, pages
+    in order): ``(q, k_pages, v_pages, table, kv_lens)``, q ``[n, Hq, D]``. The cascade case of
+    ``benchmarks/paged_cpu.py`` and ``benchmarks/attention_breakdown.py``."""
+    prefix_pages, own_pages = prefix // PAGE, own // PAGE
+    num_pages = prefix_pages + n * own_pages
+    k_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
+    v_pages = torch.randn(num_pages, PAGE, HKV, D, generator=gen)
+    table = torch.zeros(n, prefix_pages + own_pages, dtype=torch.int32)
+    table[:, :prefix_pages] = torch.arange(prefix_pages, dtype=torch.int32)
+    table[:, prefix_pages:] = prefix_pages + torch.arange(n * own_pages, dtype=torch.int32).view(n, own_pages)
+    q = torch.randn(n, HQ, D, generator=gen)
+    return q, k_pages, v_pages, table, [prefix + own] * n
+
+
 def gather_then_sdpa(q, k_pages, v_pages, table, q_lens: list[int], kv_lens: list[int]) -> list[torch.Tensor]:
     """The baseline: copy each sequence's pages into a contiguous tensor, then torch SDPA with a causal bool mask."""
     outs, q0 = [], 0
