@@ -1,11 +1,11 @@
 """Where Numba keeps tessera's compiled kernels: a directory per version of the kernel sources.
 
-Numba's on-disk cache (``@njit(cache=True)``) checks only the timestamp of the file that defines the jitted function.
-Tessera's kernels inline helpers from other files (``simd.py``'s intrinsics, ``attn_microkernels.py``,
-``numba_math.py``), so after an edit to a helper, the kernels that inline it kept running the old machine code from
-``__pycache__`` until their own file changed. Measured while tuning the decode kernel: a changed prefetch intrinsic
-had no effect at all until the cache was moved. Keying the cache directory by a hash of every source file that uses
-Numba makes any such edit start from a fresh directory instead.
+Numba's on-disk cache (``@njit(cache=True)``) checks only the timestamp of the file that defines the jitted function
+(Numba's documentation lists it as a limitation: changes to functions in other files are not seen). Tessera's kernels
+inline helpers from other files (``simd.py``'s intrinsics, ``attn_microkernels.py``, ``numba_math.py``), so after an
+edit to a helper, the kernels that inline it would keep running the old machine code from ``__pycache__`` until their
+own file changed; kernel experiments had to set a fresh ``NUMBA_CACHE_DIR`` for every variant. Keying the cache
+directory by a hash of every source file that uses Numba makes any such edit start from a fresh directory instead.
 
 :func:`configure` runs on ``import tessera`` (cost: ~3 ms to hash ~170 kB of sources). It sets ``NUMBA_CACHE_DIR``
 only when the user has not, and only to a directory it can write; older directories beyond the newest
