@@ -33,13 +33,13 @@ from attention_cpu import time_interleaved  # same folder: the interleaved media
 from rich.console import Console
 from rich.table import Table
 
-from tessera.attention import AttentionSpec, attention, causal, plan
+from tessera.attention import AttentionSpec, attention, causal
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import cascade as cascade_mod
 from tessera.backends.cpu.backend import CpuBackend
 from tessera.backends.cpu.decode import storage_view
 from tessera.backends.cpu.decode_kernel import decode_attention_kernel
-from tessera.bench.suites.paged import HKV, HQ, PAGE, D, make_shared_prefix_batch
+from tessera.bench.suites.paged import HKV, HQ, D, cascade_plans, make_shared_prefix_batch
 from tessera.hw import get_ceilings
 
 
@@ -79,12 +79,7 @@ def cascade_rows(reps: int, quick: bool) -> list[dict[str, Any]]:
     n, prefix, own = (8, 1024, 128) if quick else (32, 4096, 128)
     q, k_pages, v_pages, table, kv_lens = make_shared_prefix_batch(n, prefix, own, torch.Generator().manual_seed(0))
     spec = AttentionSpec(HQ, HKV, D, mask=causal())
-    plans = {}
-    for enabled in (True, False):
-        cascade_mod.ENABLED = enabled
-        plans[enabled] = plan(spec, [1] * n, kv_lens, table, PAGE, backend="cpu")
-        plans[enabled].run(q, k_pages, v_pages)  # the backend plan is built on the first run
-    cascade_mod.ENABLED = True
+    plans = cascade_plans(spec, [1] * n, kv_lens, table, q, k_pages, v_pages)
     state = plans[True].backend_state(q.dtype, q.device)[1]
     (group,) = state.cascades
     k_rows, v_rows = k_pages.reshape(-1, HKV, D), v_pages.reshape(-1, HKV, D)

@@ -31,7 +31,16 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.attention import AttentionSpec, causal, plan
-from tessera.bench.suites.paged import D, HKV, HQ, PAGE, gather_then_sdpa, make_batch, make_shared_prefix_batch
+from tessera.bench.suites.paged import (
+    D,
+    HKV,
+    HQ,
+    PAGE,
+    cascade_plans,
+    gather_then_sdpa,
+    make_batch,
+    make_shared_prefix_batch,
+)
 
 
 def run_case(name: str, kv_lens: list[int], q_lens: list[int], dtype: torch.dtype, reps: int) -> dict[str, Any]:
@@ -80,17 +89,10 @@ def dtype_case(reps: int, quick: bool) -> dict[str, Any]:
 
 def cascade_case(reps: int, quick: bool) -> dict[str, Any]:
     """32 requests share the pages of a 4k-token prefix and own 128 tokens each; plan with and without the cascade."""
-    import tessera.backends.cpu.cascade as cascade
-
     n, prefix, own = (8, 1024, 128) if quick else (32, 4096, 128)
     q, k_pages, v_pages, table, kv_lens = make_shared_prefix_batch(n, prefix, own, torch.Generator().manual_seed(0))
     spec = AttentionSpec(HQ, HKV, D, mask=causal())
-    plans = {}
-    for enabled in (True, False):
-        cascade.ENABLED = enabled
-        plans[enabled] = plan(spec, [1] * n, kv_lens, table, PAGE, backend="cpu")
-        plans[enabled].run(q, k_pages, v_pages)  # the backend plan is built on the first run
-    cascade.ENABLED = True
+    plans = cascade_plans(spec, [1] * n, kv_lens, table, q, k_pages, v_pages)
     times, outs = time_interleaved({name: (lambda p=plans[on]: p.run(q, k_pages, v_pages))
                                     for name, on in (("cascade", True), ("plain", False))}, reps)
     return {"case": f"cascade-{n}x({prefix}+{own})", "cascade_s": times["cascade"], "plain_s": times["plain"],

@@ -87,6 +87,20 @@ def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # 
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _scaled_queries(q, start, nq, scale, pad):  # pragma: no cover - compiled
+    """A sequence's ``nq`` queries from token ``start`` as f32 rows ``[Hq * nq + pad, D]`` (row ``h * nq + i``),
+    times ``scale``; the ``pad`` extra rows are 0."""
+    hq = q.shape[1]
+    d = q.shape[2]
+    qrows = np.zeros((hq * nq + pad, d), dtype=np.float32)
+    for h in range(hq):
+        for i in range(nq):
+            for x in range(d):
+                qrows[h * nq + i, x] = q[start + i, h, x] * scale
+    return qrows
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _write_item(item, acc, m, l, part_out, part_lse):  # pragma: no cover - compiled
     """Normalize an item's accumulators into ``part_out[item]`` and write its lse (0 and -inf for rows that saw no
     key)."""
@@ -118,11 +132,7 @@ def _decode_item(
     nq = seq_q_len[s]
     kv_len = seq_kv_len[s]
     nrows = hq * nq
-    qrows = np.empty((nrows, d), dtype=np.float32)
-    for h in range(hq):
-        for i in range(nq):
-            for x in range(d):
-                qrows[h * nq + i, x] = q[seq_q_start[s] + i, h, x] * scale
+    qrows = _scaled_queries(q, seq_q_start[s], nq, scale, 0)
     acc = np.zeros((nrows, d), dtype=np.float32)
     m = np.full(nrows, -np.inf, dtype=np.float32)
     l = np.zeros(nrows, dtype=np.float32)
@@ -296,11 +306,7 @@ def _decode_item_blocked(
     kv_len = seq_kv_len[s]
     nrows = hq * nq
     rows_h = group * nq
-    qrows = np.zeros((nrows + 3, d), dtype=np.float32)  # + 3 padding rows: see _scores_blocked
-    for h in range(hq):
-        for i in range(nq):
-            for x in range(d):
-                qrows[h * nq + i, x] = q[seq_q_start[s] + i, h, x] * scale
+    qrows = _scaled_queries(q, seq_q_start[s], nq, scale, 3)  # + 3 padding rows: see _scores_blocked
     acc = np.zeros((nrows, d), dtype=np.float32)
     m = np.full(nrows, -np.inf, dtype=np.float32)
     l = np.zeros(nrows, dtype=np.float32)

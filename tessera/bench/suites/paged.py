@@ -51,6 +51,23 @@ def make_shared_prefix_batch(n: int, prefix: int, own: int, gen: torch.Generator
     return q, k_pages, v_pages, table, [prefix + own] * n
 
 
+def cascade_plans(spec: AttentionSpec, q_lens: list[int], kv_lens: list[int], table: torch.Tensor, q: torch.Tensor,
+                  k_pages: torch.Tensor, v_pages: torch.Tensor) -> dict[bool, object]:
+    """Plans of one step with the cpu backend's shared-prefix cascade on (``True``) and off (``False``), each run
+    once so that its backend plan exists (the switch is read when that plan is built)."""
+    from tessera.backends.cpu import cascade
+
+    plans = {}
+    try:
+        for enabled in (True, False):
+            cascade.ENABLED = enabled
+            plans[enabled] = plan(spec, q_lens, kv_lens, table, PAGE, backend="cpu")
+            plans[enabled].run(q, k_pages, v_pages)
+    finally:
+        cascade.ENABLED = True
+    return plans
+
+
 def gather_then_sdpa(q, k_pages, v_pages, table, q_lens: list[int], kv_lens: list[int]) -> list[torch.Tensor]:
     """The baseline: copy each sequence's pages into a contiguous tensor, then torch SDPA with a causal bool mask."""
     outs, q0 = [], 0
