@@ -8,6 +8,7 @@ import torch
 from numba import njit
 from numba.core.errors import TypingError
 
+from tessera.backends.cpu.attn_microkernels import prefetch_run
 from tessera.backends.cpu.simd import (
     LANES,
     prefetch,
@@ -122,3 +123,41 @@ def test_non_contiguous_arrays_are_refused_at_compile_time() -> None:
         _load_store(x, 0, np.zeros(LANES, dtype=np.float32))
     with pytest.raises(TypingError, match="float32, uint16"):
         _load_store(np.zeros(LANES, dtype=np.float64), 0, np.zeros(LANES, dtype=np.float32))
+
+
+@njit
+def _walk(arr, rows, row, col, left, step, row_elems, out):
+    """Step a prefetch cursor until its budget is spent, recording the cursor after every step."""
+    n = 0
+    while left > 0:
+        row, col, left = prefetch_run(arr, rows, row, col, left, step, row_elems)
+        out[n, 0] = row
+        out[n, 1] = col
+        out[n, 2] = left
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(("dtype", "row_elems", "step"), [
+    (np.float32, 1024, 64),  # Hkv=8, D=128: 4 lines per step
+    (np.float32, 80, 48),  # rows that are not a whole number of lines
+    (np.uint16, 16, 32),  # a 16-bit line (32 elements) longer than a row
+])
+def test_prefetch_run_cursor_covers_its_budget_in_address_order(dtype, row_elems: int, step: int) -> None:
+    """The cursor moves one cache line per hint, wraps from a row's end into the next row, and stops at its budget:
+    the steps cover exactly ``left`` elements, which is what keeps it from reading offsets past the rows it was
+    given."""
+    line = 64 // np.dtype(dtype).itemsize
+    rows = np.random.default_rng(4).permutation(7).astype(np.int64) * row_elems  # shuffled token rows (pages)
+    arr = np.zeros(7 * row_elems, dtype=dtype)
+    start_row, start_col = 2, line  # mid-row start
+    budget = (7 - start_row) * row_elems - start_col
+    out = np.zeros((budget, 3), dtype=np.int64)
+    n = _walk(arr, rows, start_row, start_col, budget, step, row_elems, out)
+    assert n == -(-budget // step)
+    assert (out[:n, 2] == np.maximum(budget - step * np.arange(1, n + 1), 0)).all()
+    for i in range(n):  # every step advanced by its hints: whole lines, in address order
+        covered = min(step * (i + 1), budget)
+        hints = -(-step // line) * i + -(-(covered - step * i) // line)
+        pos = start_row * row_elems + start_col + hints * line
+        assert (out[i, 0], out[i, 1]) == (pos // row_elems, pos % row_elems)

@@ -8,6 +8,12 @@ Two products make up a decode step for one kv head and a chunk of keys:
 * values ``acc[r, :] += sum_c P[r, c] v_c``: :func:`pv_4x4` holds 4 rows x 4 vectors of the output in registers
   while it walks every key of the chunk, so the accumulator is loaded and stored once per chunk, not once per key.
 
+Each micro-kernel also walks a *prefetch cursor* (:func:`prefetch_run`): it hints a stretch of memory that a later
+phase reads into the caches, a few lines per step of its own loop, in address order. Where the hints go is the
+caller's choice (``decode_kernel.py``: V of the keys being scored, then K of the next chunk); spreading them evenly
+over the compute, and in address order, is what lets a core stream at the machine's read bandwidth (see
+``docs/performance.md``, "Sixth session").
+
 Offsets are flat element offsets into C-contiguous arrays: ``q_off`` of a query row in ``qrows [rows, D]``,
 ``k_off`` / ``v_off`` of a key's head vector in ``k`` / ``v [rows, Hkv, D]`` (so ``(row * Hkv + hk) * D``). ``D`` is a
 multiple of ``LANES``; the caller falls back to the scalar kernel otherwise.
@@ -31,14 +37,40 @@ from tessera.backends.cpu.simd import (
     vzero,
 )
 
+@njit(inline="always", fastmath=FASTMATH)
+def prefetch_run(arr, rows, row, col, left, n, row_elems):  # pragma: no cover - compiled
+    """Hint the next ``min(n, left)`` elements of a run of token rows into the caches, one per cache line, in address
+    order.
+
+    The run is ``arr``'s rows at flat offsets ``rows[row], rows[row + 1], ...``, each ``row_elems`` long, taken end
+    to end; the cursor ``(row, col)`` says where it stands and ``left`` how many elements it may still cover (so it
+    never reads ``rows`` past the rows it was given). Returns the cursor and budget after the step.
+    """
+    line = line_elements(arr)
+    stop = min(n, left)
+    for _ in range(0, stop, line):
+        prefetch(arr, rows[row] + col)
+        col += line
+        while col >= row_elems:  # (a line can be longer than a row: 16-bit storage, Hkv * D < 32)
+            col -= row_elems
+            row += 1
+    return row, col, left - stop
+
+
 #: output vectors per row that :func:`pv_4x4` keeps in registers (4 rows x 4 = 16 accumulators)
 PV_COLS = 4
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def qk_4x4(qrows, q_off, d, k, k0, k1, k2, k3, sc, s_off, s_stride, n0, n1, n2, n3):  # pragma: no cover - compiled
+def qk_4x4(
+    qrows, q_off, d, k, k0, k1, k2, k3, sc, s_off, s_stride, pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems,
+):  # pragma: no cover - compiled
     """Scores of query rows ``q_off + i * d`` (``i < 4``) against keys at ``k0..k3`` into
-    ``sc.flat[s_off + i * s_stride + c]``; prefetches the same span of the keys at ``n0..n3`` (the next chunk's)."""
+    ``sc.flat[s_off + i * s_stride + c]``.
+
+    Once per cache line of K read, advances the prefetch cursor over ``pf`` by ``pf_step`` elements (see
+    :func:`prefetch_run` for ``pf_rows, pf_row, pf_col, pf_left, pf_row_elems``); returns the cursor after the tile.
+    """
     a0 = vzero()
     a1 = vzero()
     a2 = vzero()
@@ -57,11 +89,8 @@ def qk_4x4(qrows, q_off, d, k, k0, k1, k2, k3, sc, s_off, s_stride, n0, n1, n2, 
     a15 = vzero()
     line_mask = line_elements(k) - 1  # a power of two: prefetch once per cache line of K
     for x in range(0, d, LANES):
-        if x & line_mask == 0:
-            prefetch(k, n0 + x)
-            prefetch(k, n1 + x)
-            prefetch(k, n2 + x)
-            prefetch(k, n3 + x)
+        if x & line_mask == 0 and pf_left > 0:
+            pf_row, pf_col, pf_left = prefetch_run(pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems)
         c0 = vload(k, k0 + x)
         c1 = vload(k, k1 + x)
         c2 = vload(k, k2 + x)
@@ -87,6 +116,7 @@ def qk_4x4(qrows, q_off, d, k, k0, k1, k2, k3, sc, s_off, s_stride, n0, n1, n2, 
         a14 = vfma(qv, c2, a14)
         a15 = vfma(qv, c3, a15)
     store_sums_4x4(sc, s_off, s_stride, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15)
+    return pf_row, pf_col, pf_left
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -99,10 +129,13 @@ def qk_1x1(qrows, q_off, d, k, k_off):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, cn, next_offs):  # pragma: no cover - compiled
+def pv_4x4(
+    acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, cn, pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems,
+):  # pragma: no cover - compiled
     """``acc`` rows ``a_off + i * d`` (``i < 4``), columns ``[0, 4 * LANES)`` from there, plus
-    ``sum_c sc.flat[s_off + i * s_stride + c] * v[v_offs[c] + v_add : + 4 * LANES]`` over the chunk's ``cn`` keys;
-    prefetches the same span of the keys at ``next_offs[c]`` (the next chunk's)."""
+    ``sum_c sc.flat[s_off + i * s_stride + c] * v[v_offs[c] + v_add : + 4 * LANES]`` over the chunk's ``cn`` keys.
+
+    Advances the prefetch cursor over ``pf`` by ``pf_step`` elements per key (see :func:`qk_4x4`); returns it."""
     r1 = a_off + d
     r2 = a_off + 2 * d
     r3 = a_off + 3 * d
@@ -125,14 +158,9 @@ def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, cn, next_offs):
     s1 = s_off + s_stride
     s2 = s_off + 2 * s_stride
     s3 = s_off + 3 * s_stride
-    one_per_line = line_elements(v) <= LANES  # else two vectors share a line (16-bit storage, 16 lanes)
     for c in range(cn):
-        ahead = next_offs[c] + v_add
-        prefetch(v, ahead)
-        prefetch(v, ahead + 2 * LANES)
-        if one_per_line:
-            prefetch(v, ahead + LANES)
-            prefetch(v, ahead + 3 * LANES)
+        if pf_left > 0:
+            pf_row, pf_col, pf_left = prefetch_run(pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems)
         base = v_offs[c] + v_add
         c0 = vload(v, base)
         c1 = vload(v, base + LANES)
@@ -174,16 +202,21 @@ def pv_4x4(acc, a_off, d, v, v_offs, v_add, sc, s_off, s_stride, cn, next_offs):
     vstore(acc, r3 + LANES, a13)
     vstore(acc, r3 + 2 * LANES, a14)
     vstore(acc, r3 + 3 * LANES, a15)
+    return pf_row, pf_col, pf_left
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def pv_1x4(acc, a_off, v, v_offs, v_add, sc, s_off, cn):  # pragma: no cover - compiled
+def pv_1x4(
+    acc, a_off, v, v_offs, v_add, sc, s_off, cn, pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems,
+):  # pragma: no cover - compiled
     """:func:`pv_4x4` for one row (GQA groups below 4 leave 1-3 rows per kv head)."""
     a0 = vload(acc, a_off)
     a1 = vload(acc, a_off + LANES)
     a2 = vload(acc, a_off + 2 * LANES)
     a3 = vload(acc, a_off + 3 * LANES)
     for c in range(cn):
+        if pf_left > 0:
+            pf_row, pf_col, pf_left = prefetch_run(pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems)
         base = v_offs[c] + v_add
         p = vbroadcast(sc, s_off + c)
         a0 = vfma(p, vload(v, base), a0)
@@ -194,6 +227,7 @@ def pv_1x4(acc, a_off, v, v_offs, v_add, sc, s_off, cn):  # pragma: no cover - c
     vstore(acc, a_off + LANES, a1)
     vstore(acc, a_off + 2 * LANES, a2)
     vstore(acc, a_off + 3 * LANES, a3)
+    return pf_row, pf_col, pf_left
 
 
 @njit(inline="always", fastmath=FASTMATH)

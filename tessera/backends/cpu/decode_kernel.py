@@ -9,9 +9,13 @@ flash-decoding) so that a small batch still fills every core; :func:`merge_parts
 log-sum-exp.
 
 Head dims that are a multiple of the SIMD width (``simd.LANES``) run :func:`_decode_item_blocked`: the same item
-structure with register-blocked micro-kernels (``attn_microkernels.py``), a vector online softmax, and the next
-chunk's K/V prefetched line for line while the current one is read (the core does not overlap its compute with the
-misses on its own). Other head dims run the scalar :func:`_decode_item`.
+structure with register-blocked micro-kernels (``attn_microkernels.py``), a vector online softmax, and software
+prefetch one phase ahead: while a chunk's Q.K pass reads its K, it hints the same keys' V rows into the caches, and
+while the P.V pass reads V, it hints the next chunk's K rows. The hints walk the token rows in address order and are
+spread evenly over the compute, a few lines per step. Both matter: the micro-kernels read 4 token rows at a time in
+64-byte pieces, an order in which the hardware prefetchers fetch at a third of the streaming rate, and the same
+hints issued in bursts, or in the micro-kernels' own order, gained far less (measured in ``docs/performance.md``,
+"Sixth session"). Other head dims run the scalar :func:`_decode_item`.
 
 Lengths are run-time values, so new lengths never recompile; a kernel is compiled once per storage dtype (float32;
 bf16 and fp16 arrive as 16-bit integer views and are widened by bit operations) and cached on disk.
@@ -27,9 +31,31 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from tessera.backends.cpu.attn_microkernels import PV_COLS, pv_1x1, pv_1x4, pv_4x4, qk_1x1, qk_4x4
+from tessera.backends.cpu.attn_microkernels import (
+    PV_COLS,
+    prefetch_run,
+    pv_1x1,
+    pv_1x4,
+    pv_4x4,
+    qk_1x1,
+    qk_4x4,
+)
 from tessera.backends.cpu.numba_math import FASTMATH, fast_exp, widen
-from tessera.backends.cpu.simd import LANES, vadd, vexp, vhmax, vload, vmax, vmul, vsplat, vstore, vsub, vsum, vzero
+from tessera.backends.cpu.simd import (
+    LANES,
+    line_elements,
+    vadd,
+    vexp,
+    vhmax,
+    vload,
+    vmax,
+    vmul,
+    vsplat,
+    vstore,
+    vsub,
+    vsum,
+    vzero,
+)
 
 CHUNK = 32
 
@@ -161,15 +187,28 @@ def _decode_item(
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _scores_blocked(sc, qrows, k, row_off, hkv, rows_h, d, cn, next_off):  # pragma: no cover - compiled
+def _round_up(n, multiple):  # pragma: no cover - compiled
+    return -(-n // multiple) * multiple
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn):  # pragma: no cover - compiled
     """``sc[r, c]`` for every query row against the chunk's keys (``row_off[c]``: flat offset of key ``c``'s token
-    row), 4 keys x 4 rows at a time, prefetching the next chunk's K (``next_off``) as it goes.
+    row), 4 keys x 4 rows at a time, hinting the same keys' V rows into the caches as it goes (for the P.V pass).
+
+    The hints of a 4-key block walk its V rows in address order, head ``hk``'s tiles taking the ``hk``-th of
+    ``hkv`` equal stretches, a few lines per cache line of K read.
 
     A head's last block may run past its rows (GQA groups of 1-3, or 5-7 rows): the extra rows get scores against
     the wrong head's keys, which the next head's block overwrites before anyone reads them, because heads go in
     increasing order within each key block; ``qrows`` and ``sc`` carry 3 padding rows for the last head.
     """
     stride = sc.shape[1]
+    row_elems = hkv * d
+    share = 4 * d  # one head's stretch of the block's 4 V rows
+    steps = -(-d // line_elements(k))  # hint steps per tile: one per cache line of K
+    tiles = (rows_h + 3) // 4
+    pf_step = _round_up(-(-share // (tiles * steps)), line_elements(v))
     c = 0
     while c + 4 <= cn:
         for hk in range(hkv):
@@ -178,13 +217,20 @@ def _scores_blocked(sc, qrows, k, row_off, hkv, rows_h, d, cn, next_off):  # pra
             k1 = row_off[c + 1] + koff
             k2 = row_off[c + 2] + koff
             k3 = row_off[c + 3] + koff
-            n0 = next_off[c] + koff
-            n1 = next_off[c + 1] + koff
-            n2 = next_off[c + 2] + koff
-            n3 = next_off[c + 3] + koff
+            start = hk * share
+            pf_row = start // row_elems
+            pf_col = start - pf_row * row_elems
+            pf_row += c
+            pf_left = share
             for r in range(hk * rows_h, (hk + 1) * rows_h, 4):
-                qk_4x4(qrows, r * d, d, k, k0, k1, k2, k3, sc, r * stride + c, stride, n0, n1, n2, n3)
+                pf_row, pf_col, pf_left = qk_4x4(
+                    qrows, r * d, d, k, k0, k1, k2, k3, sc, r * stride + c, stride,
+                    v, row_off, pf_row, pf_col, pf_left, pf_step, row_elems,
+                )
         c += 4
+    if c < cn:  # the chunk's last 1-3 keys: hint their V rows at once
+        tail = (cn - c) * row_elems
+        prefetch_run(v, row_off, c, 0, tail, tail, row_elems)
     for cc in range(c, cn):
         for hk in range(hkv):
             for rr in range(hk * rows_h, (hk + 1) * rows_h):
@@ -192,24 +238,50 @@ def _scores_blocked(sc, qrows, k, row_off, hkv, rows_h, d, cn, next_off):  # pra
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _values_blocked(acc, sc, v, row_off, hkv, rows_h, d, cn, next_off):  # pragma: no cover - compiled
+def _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn):  # pragma: no cover - compiled
     """``acc[r] += sum_c sc[r, c] * v_c`` for every row: 4 rows x ``PV_COLS`` vectors held in registers over the
-    chunk's keys (1 row x ``PV_COLS`` for a head's last 1-3 rows), prefetching the next chunk's V as it goes."""
+    chunk's keys (1 row x ``PV_COLS`` for a head's last 1-3 rows), hinting the K rows of the next ``next_n`` keys
+    (``next_off``) into the caches as it goes (for the next Q.K pass): each (head, column block) pass takes an equal
+    stretch of them in address order, a few lines per key."""
     stride = sc.shape[1]
     block = PV_COLS * LANES
+    row_elems = hkv * d
+    nxb = d // block
+    passes = hkv * max(nxb, 1)
+    total = next_n * row_elems
+    share = _round_up(-(-total // passes), line_elements(k))
+    pf_step = _round_up(-(-share // max(cn, 1)), line_elements(k))
     for hk in range(hkv):
         koff = hk * d
         r = hk * rows_h
         r_end = r + rows_h
+        p = hk * max(nxb, 1)
+        if nxb == 0:  # narrow heads: no column block to spread the hints over
+            start = p * share
+            if start < total:
+                left = min(share, total - start)
+                row = start // row_elems
+                prefetch_run(k, next_off, row, start - row * row_elems, left, left, row_elems)
         x = 0
         while x + block <= d:
+            start = p * share
+            pf_left = max(min(share, total - start), 0)
+            pf_row = start // row_elems
+            pf_col = start - pf_row * row_elems
             rr = r
             while rr + 4 <= r_end:
-                pv_4x4(acc, rr * d + x, d, v, row_off, koff + x, sc, rr * stride, stride, cn, next_off)
+                pf_row, pf_col, pf_left = pv_4x4(
+                    acc, rr * d + x, d, v, row_off, koff + x, sc, rr * stride, stride, cn,
+                    k, next_off, pf_row, pf_col, pf_left, pf_step, row_elems,
+                )
                 rr += 4
             for r1 in range(rr, r_end):
-                pv_1x4(acc, r1 * d + x, v, row_off, koff + x, sc, r1 * stride, cn)
+                pf_row, pf_col, pf_left = pv_1x4(
+                    acc, r1 * d + x, v, row_off, koff + x, sc, r1 * stride, cn,
+                    k, next_off, pf_row, pf_col, pf_left, pf_step, row_elems,
+                )
             x += block
+            p += 1
         for r1 in range(r, r_end):
             for xx in range(x, d, LANES):
                 pv_1x1(acc, r1 * d + xx, v, row_off, koff + xx, sc, r1 * stride, cn)
@@ -321,8 +393,9 @@ def _decode_item_blocked(
         for j0 in range(j_begin, j_end, CHUNK):
             cn = min(CHUNK, j_end - j0)
             _row_offsets(row_off, 0, s, j0, cn, row_base, block, hkv * d)
-            # The keys to prefetch: this item's next chunk, then (at its end) the start of the worker's next item,
-            # whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key suffix item).
+            # The keys whose K the P.V pass hints: this item's next chunk, then (at its end) the start of the
+            # worker's next item, whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key
+            # suffix item).
             next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, item_seg_hi[item], seg_start, seg_end, row_base,
                                     block, hkv * d)
             if next_n < CHUNK and next_item >= 0:
@@ -330,9 +403,7 @@ def _decode_item_blocked(
                 first = item_seg_lo[next_item]
                 next_n = _chunk_offsets(next_off, next_n, s2, first, seg_start[first], item_seg_hi[next_item],
                                         seg_start, seg_end, row_base, block, hkv * d)
-            for c in range(next_n, CHUNK):  # no next keys there: re-touch this chunk's (a prefetch never faults)
-                next_off[c] = row_off[min(c, cn - 1)]
-            _scores_blocked(sc, qrows, k, row_off, hkv, rows_h, d, cn, next_off)
+            _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn)
             if post:
                 for h in range(hq):
                     for i in range(nq):
@@ -347,7 +418,7 @@ def _decode_item_blocked(
             if moff >= 0:
                 _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
             _online_softmax_blocked(sc, m, l, acc, cn)
-            _values_blocked(acc, sc, v, row_off, hkv, rows_h, d, cn, next_off)
+            _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
     _write_item(item, acc, m, l, part_out, part_lse)
 
 
