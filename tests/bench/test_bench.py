@@ -137,3 +137,19 @@ def test_attention_breakdown_script_smoke():
                           capture_output=True, text=True, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "kernel alone" in proc.stdout and "suffix decode" in proc.stdout
+
+
+def test_read_patterns_script_smoke(tmp_path):
+    """`benchmarks/read_patterns.py` runs end to end on a small buffer and writes a rate for every order."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "patterns.json"
+    proc = subprocess.run([sys.executable, "benchmarks/read_patterns.py", "--mib", "8", "--rounds", "1", "--json",
+                           str(out)], capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rates = json.loads(out.read_text())["gb_per_s"]
+    assert len(rates) == 11 and all(r > 0 for r in rates.values())
