@@ -192,6 +192,13 @@ def _round_up(n, multiple):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _cursor_at(start, row_elems):  # pragma: no cover - compiled
+    """The prefetch cursor ``(row, col)`` of element ``start`` of a run of ``row_elems``-long rows."""
+    row = start // row_elems
+    return row, start - row * row_elems
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn):  # pragma: no cover - compiled
     """``sc[r, c]`` for every query row against the chunk's keys (``row_off[c]``: flat offset of key ``c``'s token
     row), 4 keys x 4 rows at a time, hinting the same keys' V rows into the caches as it goes (for the P.V pass).
@@ -217,9 +224,7 @@ def _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn):  # pragma: no
             k1 = row_off[c + 1] + koff
             k2 = row_off[c + 2] + koff
             k3 = row_off[c + 3] + koff
-            start = hk * share
-            pf_row = start // row_elems
-            pf_col = start - pf_row * row_elems
+            pf_row, pf_col = _cursor_at(hk * share, row_elems)
             pf_row += c
             pf_left = share
             for r in range(hk * rows_h, (hk + 1) * rows_h, 4):
@@ -260,14 +265,13 @@ def _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn
             start = p * share
             if start < total:
                 left = min(share, total - start)
-                row = start // row_elems
-                prefetch_run(k, next_off, row, start - row * row_elems, left, left, row_elems)
+                row, col = _cursor_at(start, row_elems)
+                prefetch_run(k, next_off, row, col, left, left, row_elems)
         x = 0
         while x + block <= d:
             start = p * share
             pf_left = max(min(share, total - start), 0)
-            pf_row = start // row_elems
-            pf_col = start - pf_row * row_elems
+            pf_row, pf_col = _cursor_at(start, row_elems)
             rr = r
             while rr + 4 <= r_end:
                 pf_row, pf_col, pf_left = pv_4x4(
