@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench info clean
+.PHONY: demo test bench info clean peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ bench: $(STAMP)
 
 info: $(STAMP)
 	$(BIN)/tessera info
+
+# llama.cpp built from source (the e2e baseline, benchmarks/e2e_cpu.py --peers) into .peers/; never part of `make test`.
+peers:
+	PYTHON=$(PYTHON) benchmarks/peers/build_llama_cpp.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
