@@ -46,13 +46,14 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of tables")
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
-    from tessera.tools import bench, generate, profile, serve, validate  # light: torch loads only when a command runs
+    from tessera.tools import bench, generate, profile, serve, tune, validate  # light: torch loads when one runs
 
     validate.add_parser(commands)
     generate.add_parser(commands)
     serve.add_parser(commands)
     profile.add_parser(commands)
     bench.add_parser(commands)
+    tune.add_parser(commands)
     return parser
 
 

@@ -12,6 +12,10 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # the same for OpenBLAS's threads (tessera/__init__.py)
 
+# Kernel thresholds take their defaults, whatever `tessera tune` cached on this machine: tests that pick a code path
+# by patching a module constant stay deterministic (tests/tuning sets its own environment).
+os.environ.setdefault("TESSERA_TUNING", "off")
+
 # Without a GPU, the triton backend's kernels run on CPU tensors through Triton's interpreter, so the conformance
 # suite covers them everywhere (tests/attention/conftest.py picks the subset that fits the CI budget). Triton reads
 # the switch when kernels are decorated, i.e. on the backend's first use, which comes after this line.

@@ -30,6 +30,7 @@ from tessera.backends.cpu.decode_kernel import (
     merge_parts_kernel,
     merge_parts_serial,
 )
+from tessera.tuning import tuned
 
 DECODE_MAX_Q = 8
 SEGMENT_TILE = 256
@@ -215,7 +216,8 @@ class DecodePlan:
                 planned[key] = (lo, len(segs.start))
             ranges.append((lo, len(segs.start)))
         keys = sum(segs.end) - sum(segs.start)
-        serial = keys * spec.num_kv_heads * spec.head_dim * 8 < SERIAL_MAX_BYTES or numba.get_num_threads() == 1
+        max_bytes = tuned("decode_serial_max_bytes", None, SERIAL_MAX_BYTES)  # tessera tune measures the crossover
+        serial = keys * spec.num_kv_heads * spec.head_dim * 8 < max_bytes or numba.get_num_threads() == 1
         item_seq, item_lo, item_hi, seq_item_lo, seq_item_hi = _split_items(segs, ranges, split=not serial)
         q_start = np.array([batch.q_starts[s] for s in seqs], dtype=np.int64)
         q_len = np.array([batch.q_lens[s] for s in seqs], dtype=np.int64)

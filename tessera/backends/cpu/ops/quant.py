@@ -19,6 +19,7 @@ from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import _quant_kernels as kernels
 from tessera.backends.reference.ops.quant import dequantize_in, quantize_in
 from tessera.kernels.quant import QuantizedWeight
+from tessera.tuning import tuned
 
 SMALL_M = 8
 #: qmatmul keeps the packed GEMV (each weight row decoded once into L1, then dotted with every x row) up to this many
@@ -50,7 +51,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         wn = w.numpy()
     else:
         wn = w.detach().contiguous().view(_GEMV_VIEW[w.dtype]).numpy()
-    (float_gemv.gemv_serial if m * n * k < SERIAL_WORK else float_gemv.gemv)(xn, wn, out.numpy())
+    serial = m * n * k < tuned("gemv_serial_work", None, SERIAL_WORK)  # tessera tune measures the crossover
+    (float_gemv.gemv_serial if serial else float_gemv.gemv)(xn, wn, out.numpy())
     return out
 
 
@@ -95,8 +97,9 @@ def _rows_slice(qw: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
 def _gemm_tiled(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     n = qw.shape[0]
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    for lo in range(0, n, TILE_N):
-        hi = min(n, lo + TILE_N)
+    tile_n = tuned("quant_tile_n", None, TILE_N)
+    for lo in range(0, n, tile_n):
+        hi = min(n, lo + tile_n)
         tile = dequantize_in(_rows_slice(qw, lo, hi), torch.float32)
         np.matmul(x.numpy(), tile.numpy().T, out=out.numpy()[:, lo:hi])  # OpenBLAS: see blas_matmul
     return out
@@ -126,7 +129,8 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if x.shape[0] == 0 or qw.shape[0] == 0:
         return torch.zeros(x.shape[0], qw.shape[0], dtype=x.dtype)
     xf = x.float().contiguous()
-    out = _gemv(xf, qw) if x.shape[0] <= QUANT_GEMV_MAX_M.get(qw.fmt, SMALL_M) else _gemm_tiled(xf, qw)
+    gemv_max_m = tuned("quant_gemv_max_m", qw.fmt, QUANT_GEMV_MAX_M.get(qw.fmt, SMALL_M))
+    out = _gemv(xf, qw) if x.shape[0] <= gemv_max_m else _gemm_tiled(xf, qw)
     return out.to(x.dtype)
 
 

@@ -1,0 +1,290 @@
+"""The cpu backend's tunables: where each threshold's two code paths trade places on this machine.
+
+============================  ==================================================================  ============
+tunable                       what it decides                                                     read in
+============================  ==================================================================  ============
+``quant_tile_n``              weight rows de-quantized per BLAS tile above the GEMV crossover      ops/quant.py
+``quant_gemv_max_m``          rows of x up to which the packed quantized GEMV beats the tiles,    ops/quant.py
+                              per format
+``gemv_serial_work``          multiply-adds (M * N * K) below which the float GEMV stays on the    ops/quant.py
+                              calling thread
+``decode_serial_max_bytes``   K+V bytes (as float32) below which a decode step runs serially      decode.py
+============================  ==================================================================  ============
+
+Each default is the module constant the code used before (measured on one 2-core AMD EPYC). The measurements use
+realistic shapes: SmolLM2-135M's projections (N x K = 3072 x 576, 576 x 1536, 960 x 576) and, outside ``--quick``,
+a 1B-class model's (2048 x 2048, 11264 x 2048), or a given model's (``tessera tune --model``). Inputs rotate through
+enough copies to exceed twice the L3 (at most one per layer of a 30-layer model), so each timed call reads its
+weights or K/V from where a real forward pass would: memory for big models, L3 for small ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import tessera.attention  # noqa: F401  (before tessera.backends: see tessera/cli.py's note on the import cycle)
+from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.backends.cpu import decode
+from tessera.backends.cpu.ops import _gemv as float_gemv
+from tessera.backends.cpu.ops import quant
+from tessera.bench.harness import copies_for, rotating
+from tessera.kernels.quant import FORMATS, QuantizedWeight
+from tessera.tuning import search
+from tessera.tuning.fingerprint import fingerprint
+from tessera.tuning.registry import Crossover, Tunable, overriding, register
+
+#: prompt rows of x the quantized crossover is timed at (and the thresholds it can choose)
+GEMV_ROWS = (8, 16, 32, 64, 128, 256)
+#: rows of x the tile-size candidates are timed at: prompt-sized, above every default crossover
+TILE_ROWS = 256
+#: GGUF's block size, used for the group-wise formats (Q4_0, Q4_1, Q8_0)
+GROUP = 32
+#: a model this many layers deep visits this many distinct weights / K/V per step: the most copies worth rotating
+MAX_COPIES = 30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shapes the measurements run on.
+
+    Attributes
+    ----------
+    name : shown in tables and recorded in the cache entries.
+    projections : ``(N, K)`` of each weight matrix of one layer (``y = x @ w.T``).
+    num_q_heads, num_kv_heads, head_dim : the attention shape of the decode measurement.
+    formats : the packed formats the model's projections use (``None``: all of :data:`FORMATS`).
+    """
+
+    name: str
+    projections: tuple[tuple[int, int], ...]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    formats: tuple[str, ...] | None = None
+
+
+SMOLLM2 = Workload("SmolLM2-135M", ((3072, 576), (576, 1536), (960, 576)), 9, 3, 64)
+SMOLLM2_AND_1B = Workload("SmolLM2-135M + 1B-class", SMOLLM2.projections + ((2048, 2048), (11264, 2048)), 9, 3, 64)
+
+
+def workload() -> Workload:
+    """The workload of the search in progress: the model's (``--model``), else SmolLM2 (``--quick``) or SmolLM2 plus
+    the 1B-class shapes."""
+    opts = search.options()
+    if isinstance(opts.workload, Workload):
+        return opts.workload
+    return SMOLLM2 if opts.quick else SMOLLM2_AND_1B
+
+
+def workload_from_model(path: str | Path) -> Workload:
+    """The projection and attention shapes of a GGUF file or Hugging Face directory, from its config only (no
+    weights are read; the GGUF file is memory-mapped for its header and tensor table)."""
+    path = Path(path)
+    formats = None
+    if path.is_file():
+        from tessera.models.gguf import config_from_gguf, open_reader, read_metadata
+
+        reader = open_reader(path)
+        tensors = {t.name: t for t in reader.tensors}
+        config = config_from_gguf(read_metadata(reader), tensors, path)[2]
+        packed = {"Q4_0": "int4", "Q4_1": "int4_min", "Q8_0": "int8"}
+        found = {packed[t.tensor_type.name] for name, t in tensors.items()
+                 if name.startswith("blk.") and name.endswith(".weight") and t.tensor_type.name in packed}
+        formats = tuple(f for f in FORMATS if f in found) or None
+    elif path.is_dir():
+        from tessera.models.hf import read_config
+
+        config = read_config(path)[2]
+    else:
+        raise FileNotFoundError(f"--model {path}: no such file or directory; pass a .gguf file or a Hugging Face "
+                                "model directory")
+    h = config.hidden_size
+    inner = config.moe_intermediate_size if config.is_moe else config.intermediate_size
+    mlp = ((2 * inner, h), (h, inner)) if config.gated_mlp else ((inner, h), (h, inner))
+    projections = ((config.qkv_rows, h), (h, config.num_heads * config.head_dim), *mlp)
+    return Workload(path.name, tuple(dict.fromkeys(projections)), config.num_heads, config.num_kv_heads,
+                    config.head_dim, formats)
+
+
+def _l3_bytes() -> int:
+    return fingerprint()["caches"].get("L3") or (32 << 20)
+
+
+def _copies(bytes_each: int) -> int:
+    """Copies of an input that make a round of calls read from where a real step would (see the module doc)."""
+    return copies_for(bytes_each, total=2 * _l3_bytes(), most=MAX_COPIES)
+
+
+# ---------------------------------------------------------------------------------------------------- quantized GEMV
+
+def random_qweight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """A packed ``[n, k]`` weight with random codes, built directly (quantizing a float matrix of 1B-class size
+    takes seconds; the kernels' speed does not depend on the values). Scales are ~0.01, so nothing is subnormal;
+    fp8 codes avoid the NaN pattern."""
+    g = k if fmt == "fp8_e4m3" else GROUP
+    scales = torch.full((n, k // g), 0.01)
+    if fmt == "int8":
+        data = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        return QuantizedWeight(fmt, (n, k), g, data, scales)
+    if fmt == "fp8_e4m3":
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen) & 0x7E  # 0x7F / 0xFF are NaN
+        return QuantizedWeight(fmt, (n, k), g, codes.view(torch.float8_e4m3fn), scales)
+    data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    if fmt == "int4":
+        zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
+        return QuantizedWeight(fmt, (n, k), g, data, scales, zeros=zeros)
+    return QuantizedWeight(fmt, (n, k), g, data, scales, mins=torch.full((n, k // g), -0.08))
+
+
+@functools.lru_cache(maxsize=1)  # one format's weights at a time: a 1B-class int8 set is ~30 MB per copy
+def _quant_inputs(fmt: str, projections: tuple[tuple[int, int], ...], rows: int
+                  ) -> tuple[Callable[[], list[QuantizedWeight]], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    first = [random_qweight(fmt, n, k, gen) for n, k in projections]
+    copies = _copies(sum(w.nbytes for w in first))
+    sets = [first] + [[random_qweight(fmt, n, k, gen) for n, k in projections] for _ in range(copies - 1)]
+    xs = [torch.randn(rows, k, generator=gen) for _, k in projections]
+    return rotating(sets), xs
+
+
+def _time_quant_path(kernel: Callable[[torch.Tensor, QuantizedWeight], torch.Tensor], fmt: str, m: int) -> float:
+    """Seconds of one pass of ``kernel`` over the workload's projections at ``m`` rows (the next copy of the
+    weights)."""
+    next_set, xs = _quant_inputs(fmt, workload().projections, max(GEMV_ROWS[-1], TILE_ROWS))
+    weights = next_set()
+    start = time.perf_counter()
+    for w, x in zip(weights, xs):
+        kernel(x[:m], w)
+    return time.perf_counter() - start
+
+
+def _gemv_path(m: int, fmt: str | None) -> float:
+    return _time_quant_path(quant._gemv, fmt or "int4", m)
+
+
+def _tiles_path(m: int, fmt: str | None) -> float:
+    return _time_quant_path(quant._gemm_tiled, fmt or "int4", m)
+
+
+def _measure_tile_n(tile_n: int, shape_class: str | None) -> float:
+    with overriding("quant_tile_n", tile_n):
+        return _time_quant_path(quant._gemm_tiled, "int4", TILE_ROWS)
+
+
+# ------------------------------------------------------------------------------------------------------- float GEMV
+
+#: multiply-adds of one GEMV (M = 1, N x K) the serial / parallel crossover is timed at
+GEMV_WORK = tuple(1 << e for e in range(19, 26))
+
+
+@functools.lru_cache(maxsize=len(GEMV_WORK))
+def _float_inputs(work: int) -> tuple[Callable[[], np.ndarray], np.ndarray, np.ndarray]:
+    k = 576 if work <= 1 << 22 else 2048  # SmolLM2's hidden size for the small products, a 1B model's above
+    n = max(16, round(work / k / 16) * 16)
+    copies = _copies(n * k * 4)
+    # fill_ rather than random values: it touches every page at memory speed, and no value is subnormal
+    weights = [torch.empty(n, k).fill_(0.01).numpy() for _ in range(copies)]
+    return rotating(weights), np.full((1, k), 0.5, dtype=np.float32), np.empty((1, n), dtype=np.float32)
+
+
+def _float_gemv_path(kernel: Callable[..., None]) -> Callable[[int, str | None], float]:
+    def timed(work: int, shape_class: str | None) -> float:
+        next_w, x, out = _float_inputs(work)
+        start = time.perf_counter()
+        for _ in range(_copies(x.shape[1] * out.shape[1] * 4)):  # one call per "layer": every copy once
+            kernel(x, next_w(), out)
+        return time.perf_counter() - start
+
+    return timed
+
+
+# ----------------------------------------------------------------------------------------------------------- decode
+
+#: K+V bytes (counted as float32, as decode.py does) of the decode steps the serial / parallel crossover is timed at
+DECODE_BYTES = tuple(1 << e for e in range(17, 24))
+
+
+@functools.lru_cache(maxsize=2 * len(DECODE_BYTES))
+def _decode_inputs(num_bytes: int, serial: bool, shape: tuple[int, int, int]) -> tuple[Any, ...]:
+    from tessera.attention import AttentionSpec, causal
+
+    hq, hkv, d = shape
+    keys = max(1, num_bytes // (hkv * d * 8))
+    spec = AttentionSpec(hq, hkv, d, mask=causal())
+    batch = RaggedBatch((1,), (keys,))
+    # the plan reads the threshold while it is built: force the path under test
+    with overriding("decode_serial_max_bytes", (1 << 62) if serial else 0):
+        plan = decode.DecodePlan.build(batch, [0], spec, KVLayout.contiguous(batch))
+    gen = torch.Generator().manual_seed(0)
+    copies = _copies(2 * keys * hkv * d * 4)
+    kv = [(torch.randn(keys, hkv, d, generator=gen), torch.randn(keys, hkv, d, generator=gen))
+          for _ in range(copies)]
+    q = torch.randn(1, hq, d, generator=gen)
+    return plan, q, rotating(kv), copies, torch.empty(1, hq, d), torch.empty(1, hq)
+
+
+def _decode_path(serial: bool) -> Callable[[int, str | None], float]:
+    def timed(num_bytes: int, shape_class: str | None) -> float:
+        w = workload()
+        plan, q, next_kv, copies, out, lse = _decode_inputs(num_bytes, serial,
+                                                             (w.num_q_heads, w.num_kv_heads, w.head_dim))
+        start = time.perf_counter()
+        for _ in range(copies):  # one step: every layer's K/V once
+            k, v = next_kv()
+            plan.run(q, k, v, out, lse)
+        return time.perf_counter() - start
+
+    return timed
+
+
+# ---------------------------------------------------------------------------------------------------- registrations
+
+def _register_all() -> None:
+    # Order matters: the crossover of the quantized GEMV times the tiled path with quant_tile_n already tuned.
+    register(Tunable(
+        "quant_tile_n", quant.TILE_N, (256, 512, 1024, 2048), _measure_tile_n,
+        doc="Weight rows de-quantized per BLAS tile by qmatmul above the GEMV crossover: big enough for an "
+            "efficient GEMM, small enough that the de-quantized tile stays in cache.",
+    ), replace=True)
+    register(Tunable(
+        "quant_gemv_max_m", dict(quant.QUANT_GEMV_MAX_M), GEMV_ROWS, None, tuple(quant.QUANT_GEMV_MAX_M),
+        doc="Rows of x up to which qmatmul streams the packed weights through the quantized GEMV; above it, "
+            "de-quantized tiles through BLAS win. Per format.",
+        crossover=Crossover(_gemv_path, _tiles_path, inclusive=True, unit="rows", names=("packed GEMV", "BLAS tiles")),
+    ), replace=True)
+    register(Tunable(
+        "gemv_serial_work", quant.SERIAL_WORK, GEMV_WORK, None,
+        doc="Multiply-adds (M * N * K) below which the float GEMV runs on the calling thread: waking the thread "
+            "pool costs more than splitting the read saves.",
+        crossover=Crossover(_float_gemv_path(float_gemv.gemv_serial), _float_gemv_path(float_gemv.gemv),
+                            inclusive=False, unit="multiply-adds", names=("serial", "parallel")),
+    ), replace=True)
+    register(Tunable(
+        "decode_serial_max_bytes", decode.SERIAL_MAX_BYTES, DECODE_BYTES, None,
+        doc="K+V bytes (as float32) of a decode step below which it runs on the calling thread, unsplit (with one "
+            "Numba thread every step is serial and the value is moot).",
+        crossover=Crossover(_decode_path(True), _decode_path(False), inclusive=False, unit="bytes",
+                            names=("serial", "split-KV parallel")),
+    ), replace=True)
+
+
+def release_inputs() -> None:
+    """Free the measurement inputs (a few hundred MB while a run of ``tessera tune`` holds them)."""
+    for fn in (_quant_inputs, _float_inputs, _decode_inputs):
+        fn.cache_clear()
+
+
+def quant_classes(w: Workload | None) -> dict[str, Sequence[str]]:
+    """The shape classes a model restricts the run to (its packed formats), for :func:`tessera.tuning.search.plan`."""
+    return {"quant_gemv_max_m": w.formats} if w is not None and w.formats else {}
+
+
+_register_all()
