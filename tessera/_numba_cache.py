@@ -26,6 +26,15 @@ KEEP = 4
 _DAY = 24 * 3600
 
 
+def _width_environment() -> str:
+    """``TESSERA_SIMD_LANES``, ``TESSERA_ISA`` and the ``simd`` part of ``TESSERA_CPU_VARIANTS``: what picks the
+    vector width of the explicit-SIMD kernels. Other variant choices compile to kernels of their own signature, so
+    they share one directory (forcing ``qgemv=portable`` must not recompile everything)."""
+    forced = os.environ.get("TESSERA_CPU_VARIANTS", "")
+    simd = [part for part in forced.split(",") if part.strip().startswith("simd") or part.strip() == "portable"]
+    return "|".join((os.environ.get("TESSERA_SIMD_LANES", ""), os.environ.get("TESSERA_ISA", ""), *simd))
+
+
 def cache_root() -> Path:
     """``$TESSERA_CACHE_DIR/numba``, by default ``~/.cache/tessera/numba`` (the Triton backend's cache sits next to it)."""
     root = os.environ.get("TESSERA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
@@ -34,9 +43,9 @@ def cache_root() -> Path:
 
 def sources_digest(package_dir: Path) -> str:
     """12 hex digits of SHA-256 over the relative path and bytes of every ``.py`` file under ``package_dir`` that
-    mentions Numba (the files whose code a compiled kernel can contain), and over ``TESSERA_SIMD_LANES`` (it changes
-    the vector width compiled into the kernels without changing a file)."""
-    digest = hashlib.sha256(os.environ.get("TESSERA_SIMD_LANES", "").encode())
+    mentions Numba (the files whose code a compiled kernel can contain), and over the environment that sets the
+    vector width compiled into the kernels without changing a file (:func:`_width_environment`)."""
+    digest = hashlib.sha256(_width_environment().encode())
     for path in sorted(package_dir.rglob("*.py")):
         data = path.read_bytes()
         if b"numba" in data or b"njit" in data:

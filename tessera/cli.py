@@ -77,6 +77,8 @@ def collect_info(refresh: bool = False) -> dict[str, Any]:
         "tessera": tessera.__version__,
         "versions": _versions(),
         "backends": _backends(),
+        "variants": _variants(),
+        "tuning": _tuning(),
         "ceilings": get_ceilings(refresh=refresh).to_dict(),
     }
 
@@ -107,6 +109,31 @@ def _backends() -> list[dict[str, Any]]:
     return rows
 
 
+def _tuning() -> list[dict[str, Any]]:
+    from tessera.tuning.summary import tuning_summary
+
+    return tuning_summary()
+
+
+def _variants() -> list[dict[str, Any]]:
+    """Every usable backend's kernel variants (backends that specialize kernels per CPU expose
+    ``kernel_variants()``), each row tagged with its backend."""
+    import tessera.attention  # noqa: F401  (see _backends)
+    from tessera.backends import registered
+
+    rows = []
+    for backend in sorted(registered().values(), key=lambda b: -b.priority):
+        explain = getattr(backend, "kernel_variants", None)
+        if explain is None or backend.available():
+            continue
+        try:
+            rows += [{"backend": backend.name, **row} for row in explain()]
+        except Exception as err:  # e.g. a malformed TESSERA_CPU_VARIANTS: say so, keep the rest of the report
+            rows.append({"backend": backend.name, "family": "?", "chosen": "?", "why": f"{type(err).__name__}: {err}",
+                         "passed_over": [], "summary": "", "available": []})
+    return rows
+
+
 def _run_info(args: argparse.Namespace) -> int:
     # Progress goes to stderr so `tessera info --json > file` stays valid JSON.
     err = Console(stderr=True)
@@ -122,6 +149,10 @@ def _run_info(args: argparse.Namespace) -> int:
     out = Console()
     out.print(_versions_table(info))
     out.print(_backends_table(info["backends"]))
+    out.print(_variants_table(info["variants"]))
+    from tessera.tuning.summary import _tuning_table
+
+    out.print(_tuning_table(info["tuning"]))
     out.print(_ceilings_table(info["ceilings"]))
     return 0
 
@@ -145,6 +176,21 @@ def _backends_table(backends: list[dict[str, Any]]) -> Table:
     for row in backends:
         usable = "[green]yes[/]" if row["usable"] else "[red]no[/]"
         table.add_row(row["name"], str(row["priority"]), usable, "\n".join(row["reasons"]))
+    return table
+
+
+def _variants_table(rows: list[dict[str, Any]]) -> Table:
+    from tessera.hw import isa
+
+    caption = (f"CPU target {isa.host_cpu_name()}; features used: {' '.join(sorted(isa.features())) or 'none'} "
+               f"(TESSERA_ISA={isa.cap()}). Force with TESSERA_CPU_VARIANTS=family=variant,...")
+    table = Table(title="kernel variants (chosen from this CPU's instruction set)", title_justify="left",
+                  caption=caption, caption_justify="left")
+    for column in ("family", "chosen", "why", "passed over"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(f"{row['backend']}.{row['family']}", f"[bold]{row['chosen']}[/]", row["why"],
+                      "\n".join(row["passed_over"]))
     return table
 
 

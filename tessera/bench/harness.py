@@ -17,12 +17,22 @@ from typing import Any
 #: seconds of timed calls per case (ours + baseline together), and the bounds on repeats
 BUDGET_S = {True: 0.4, False: 1.5}
 MIN_REPS, MAX_REPS = 5, 200
-#: memory-bound cases whose inputs are smaller than this rotate through copies (well above any L3 here: 32 MiB)
+#: memory-bound cases rotate through copies of their inputs adding up to at least this much
 ROTATE_BYTES = 128 << 20
 
 
-def copies_for(bytes_each: int, total: int = ROTATE_BYTES, most: int = 64) -> int:
-    """How many copies of a ``bytes_each`` input make calls stream from memory instead of the last-level cache."""
+def rotate_bytes() -> int:
+    """Bytes of copies that stream from DRAM on this machine: :data:`ROTATE_BYTES`, or twice the last-level cache
+    when that is larger (an Intel Xeon here has 300 MiB of L3: 128 MiB of copies would be served from it)."""
+    from tessera.tuning.fingerprint import cache_sizes
+
+    return max(ROTATE_BYTES, 2 * (cache_sizes().get("L3") or 0))
+
+
+def copies_for(bytes_each: int, total: int | None = None, most: int = 64) -> int:
+    """How many copies of a ``bytes_each`` input make calls stream from memory instead of the last-level cache
+    (``total`` defaults to :func:`rotate_bytes`)."""
+    total = rotate_bytes() if total is None else total
     return max(1, min(most, -(-total // max(bytes_each, 1))))
 
 

@@ -38,8 +38,8 @@ class LLM:
         sequences could use).
     kv_cache_memory : bytes for K and V of all layers when ``num_pages`` is None.
     enable_prefix_caching : reuse the KV of full pages shared with earlier prompts.
-    keep_quantized : GGUF only: keep Q4_0 / Q4_1 / Q8_0 projections packed (``load_model(keep_quantized=True)``);
-        batch-1 decode of SmolLM2's Q4_1 file then runs ~1.5x faster than on de-quantized fp32 weights.
+    keep_quantized : GGUF only, as :func:`tessera.models.load_model`: None (default) keeps Q4_0 / Q4_1 / Q8_0
+        projections packed, False dequantizes every weight to ``dtype``.
 
     Examples
     --------
@@ -51,7 +51,7 @@ class LLM:
     def __init__(self, model: str | Path | Model | None = None, dtype: str = "float32", backend: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
-                 enable_prefix_caching: bool = True, keep_quantized: bool = False) -> None:
+                 enable_prefix_caching: bool = True, keep_quantized: bool | None = None) -> None:
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, backend=backend,
                                                                         keep_quantized=keep_quantized)
         self.max_len = self.model.config.max_position

@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +78,11 @@ class Device:
         if dtype not in self.peak_flops:
             raise KeyError(f"{self.name} has no peak for dtype {dtype!r}; it has {sorted(self.peak_flops)}")
         return self.peak_flops[dtype]
+
+    def with_peaks(self, peaks: dict[str, float]) -> Device:
+        """This device with ``peaks`` (OP/s per dtype key, e.g. a backend's measured ``int8`` dot-product rate)
+        added to or replacing its ``peak_flops``."""
+        return dataclasses.replace(self, peak_flops={**self.peak_flops, **peaks}) if peaks else self
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -61,7 +61,9 @@ def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None 
     Parameters
     ----------
     hidden : torch.Tensor ``[..., H]``, float32 / bfloat16 / float16
-    table : torch.Tensor ``[V, H]``, float32 / bfloat16 / float16 (the embedding table), same device
+    table : torch.Tensor ``[V, H]``, float32 / bfloat16 / float16 (the embedding table), same device; or a packed
+        :class:`tessera.kernels.quant.QuantizedWeight` ``[V, H]`` (a GGUF file's Q8_0 / Q4_x output table kept
+        packed), which runs :func:`tessera.kernels.quant.qmatmul`
     softcap : float > 0, optional
     backend : "auto", "reference", "cpu" or "triton"
 
@@ -73,7 +75,11 @@ def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None 
     --------
     >>> logits = lm_head(final_norm_out[-1:], wte)          # [1, V] float32
     """
-    _check_table("lm_head", table)
+    from tessera.kernels.quant import QuantizedWeight, qmatmul
+
+    packed = isinstance(table, QuantizedWeight)
+    if not packed:
+        _check_table("lm_head", table)
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in FLOAT_DTYPES:
         got = hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise TypeError(f"lm_head: hidden must be a float32, bfloat16 or float16 tensor, got {got}")
@@ -85,6 +91,10 @@ def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None 
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"lm_head: softcap must be a finite float > 0 or None, got {softcap}")
     cap = None if softcap is None else float(softcap)
+    if packed:  # the read of a packed table is 4-8x smaller than the float one's; logits are float32 either way
+        logits = qmatmul(hidden.reshape(-1, table.shape[1]), table, backend=backend).float()
+        logits = logits if cap is None else cap * torch.tanh(logits / cap)
+        return logits.view(*hidden.shape[:-1], table.shape[0])
     return registry.resolve("lm_head", backend, table.device)(hidden, table, cap)
 
 

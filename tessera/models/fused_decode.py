@@ -15,12 +15,15 @@ import numpy as np
 import torch
 
 from tessera import kernels as K
+from tessera.backends.cpu import variants
 from tessera.backends.cpu.decode_layer import decoder_layer_kernel
+from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.ops.quant import SERIAL_WORK, SMALL_M
 from tessera.kernels.quant import QuantizedWeight
 from tessera.models.config import ModelConfig
 from tessera.models.layers import norm
+from tessera.tuning import tuned
 
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -42,9 +45,14 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
         if not name.startswith("layers."):
             continue
         if isinstance(t, QuantizedWeight):
-            if name.rsplit(".", 2)[-2] not in _PROJECTIONS or t.fmt not in ("int4", "int4_min"):
-                return f"weight {name} is {t.fmt}: the fused kernel takes float and int4 / int4_min projections"
-            if t.group_size < 32 or t.group_size & (t.group_size - 1) or t.device.type != "cpu":
+            if name.rsplit(".", 2)[-2] not in _PROJECTIONS or t.device.type != "cpu":
+                return f"weight {name} is a packed {t.fmt} {t.device.type} weight outside the four projections"
+            if qdot.chosen_token() is not None and qdot.unsupported(t) is None:
+                continue  # the int8-activation rows take it
+            if t.fmt not in ("int4", "int4_min"):
+                return (f"weight {name} is {t.fmt}: the fused kernel takes float and int4 / int4_min projections "
+                        "(and int8 ones with an int8-activation qgemv variant)")
+            if t.group_size < 32 or t.group_size & (t.group_size - 1):
                 return f"weight {name}: int4 group size {t.group_size} (the int4 GEMV takes powers of two >= 32)"
         elif not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()):
             return f"weight {name} is not a contiguous {dtype} CPU tensor (mixed dtypes)"
@@ -52,8 +60,12 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
 
 
 def _weight_view(w):
-    """A projection as the kernel takes it: a float storage array, or an int4 weight tuple."""
+    """A projection as the kernel takes it: a float storage array, or a packed weight tuple (led by the ISA token of
+    the int8-activation ``qgemv`` variant when one is chosen and takes the weight)."""
     if isinstance(w, QuantizedWeight):
+        isa = qdot.chosen_token()
+        if isa is not None and qdot.unsupported(w) is None:
+            return (isa, *qdot.weight_arrays(w))
         offsets = w.mins if w.fmt == "int4_min" else w.zeros
         return (w.data.numpy(), w.scales.numpy(), offsets.numpy(), w.group_size, w.fmt == "int4_min")
     return storage_view(w.detach())
@@ -63,9 +75,10 @@ def _layer_views(model) -> tuple[list[tuple], int] | None:
     """Per layer, the kernel's weight arguments as NumPy storage views, and the multiply-adds of the biggest
     projection at one row of x; None when the model cannot be fused. Built on the first decode step and kept on the
     model (replacing weights after that step needs a fresh model)."""
-    cached = getattr(model, _VIEWS_ATTR, False)
-    if cached is not False:
-        return cached
+    variant = variants.choose("qgemv").name  # the views embed the variant: a forced change rebuilds them
+    cached = getattr(model, _VIEWS_ATTR, None)
+    if cached is not None and cached[0] == variant:
+        return cached[1]
     config, w = model.config, model.weights
     views = None
     if unsupported_reason(config, w) is None:
@@ -94,7 +107,7 @@ def _layer_views(model) -> tuple[list[tuple], int] | None:
                       if name.startswith("layers.") and name.endswith(".weight")
                       and name.rsplit(".", 2)[-2] in _PROJECTIONS)
         views = (views, largest)
-    object.__setattr__(model, _VIEWS_ATTR, views)
+    object.__setattr__(model, _VIEWS_ATTR, (variant, views))
     return views
 
 
@@ -111,7 +124,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     if min(step.q_lens) != 1 or not ropes:
         return None
     prepared = _layer_views(model)
-    if prepared is None or t_count * prepared[1] >= SERIAL_WORK:
+    if prepared is None or t_count * prepared[1] >= tuned("gemv_serial_work", None, SERIAL_WORK):
         return None  # the kernel is serial; bigger GEMVs run faster over all cores in the per-op path
     views = prepared[0]
     states = {}

@@ -63,12 +63,13 @@ _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "s
                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-# Lookup tables and 1-D tensors stay float even with keep_quantized: the embedding and lm_head kernels read floats.
+# The embedding table and 1-D tensors stay float: lookups and norms read floats. A packable output table also goes to
+# the lm_head packed (see _add_packed_output).
 _ALWAYS_FLOAT = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backend: str = "auto", *,
-              keep_quantized: bool = False) -> Model:
+              keep_quantized: bool | None = None) -> Model:
     """Read a GGUF file: config, weights under canonical names, tokenizer and chat template.
 
     Parameters
@@ -79,10 +80,13 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         float32, bfloat16 or float16: the dtype float weights are dequantized / cast to.
     backend : str
         Kernel backend the returned model runs on ("auto", "cpu", "reference", "triton").
-    keep_quantized : bool
-        Keep the 2-D projections (``qkv``, ``o``, ``gate_up``, ``down``) packed as :class:`QuantizedWeight` instead
-        of dequantizing them: exact for Q4_0, Q4_1 and Q8_0 (float-typed projections stay float). Embeddings, the
-        lm_head and norms are always dequantized. Any other quantized projection type raises.
+    keep_quantized : bool or None
+        Whether the 2-D projections (``qkv``, ``o``, ``gate_up``, ``down``) stay packed as :class:`QuantizedWeight`
+        (exact for Q4_0, Q4_1 and Q8_0; float-typed projections stay float). None (the default, as llama.cpp runs a
+        file): every projection whose type can stay packed does, the others are dequantized. True: every quantized
+        projection must stay packed, any other type raises. False: all are dequantized to ``torch_dtype`` (the
+        weights transformers computes with). The embedding table and norms are always dequantized; unless False, a
+        Q4_0 / Q4_1 / Q8_0 output table (the embedding, when tied) is also kept packed for the lm_head.
 
     Returns
     -------
@@ -223,8 +227,9 @@ def unpermute_rows(num_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def load_weights(tensors: dict[str, Any], config: ModelConfig, family: Family, arch: GGUFArch,
-                 dtype: torch.dtype, keep_quantized: bool = False) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Canonical weights from the file's tensors, by the family's :class:`WeightSpec` list."""
+                 dtype: torch.dtype, keep_quantized: bool | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Canonical weights from the file's tensors, by the family's :class:`WeightSpec` list (``keep_quantized`` as
+    in :func:`load_gguf`)."""
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for spec in family.weight_specs(config):
         names = [gguf_name(s) for s in spec.sources]
@@ -234,11 +239,31 @@ def load_weights(tensors: dict[str, Any], config: ModelConfig, family: Family, a
         if missing:
             raise CheckpointError(f"GGUF tensor {missing[0]!r} is missing (needed for {spec.name!r} by the "
                                   f"{family.name} family); the file is incomplete or of another architecture")
-        packed = keep_quantized and len(tensors[names[0]].shape) == 2 and spec.sources[0] not in _ALWAYS_FLOAT
+        packed = keep_quantized is not False and len(tensors[names[0]].shape) == 2 \
+            and spec.sources[0] not in _ALWAYS_FLOAT
+        if spec.name == "lm_head" and keep_quantized is not False:
+            packed = _T(int(tensors[names[0]].tensor_type)) in _PACKABLE  # an untied output table may stay packed
+        if packed and keep_quantized is None:  # auto: pack only what can stay packed, parts fused in one format
+            types = {_T(int(tensors[n].tensor_type)) for n in names}
+            packed = len(types) == 1 and types <= set(_PACKABLE)
         parts = [_read(tensors[n], hf, config, arch, dtype, packed) for n, hf in zip(names, spec.sources)]
         weights[spec.name] = _assemble(spec, parts)
+    if keep_quantized is not False and "lm_head" not in weights:
+        _add_packed_output(tensors, config, arch, weights)
     check_shapes(config, weights)
     return weights
+
+
+def _add_packed_output(tensors: dict[str, Any], config: ModelConfig, arch: GGUFArch,
+                       weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+    """A tied output table (the embedding) in a packable type also goes to the lm_head packed, as llama.cpp runs it:
+    the logits GEMV then reads the file's bytes (SmolLM2's Q8_0 table: 30 MB) instead of the de-quantized float table
+    (113 MB in fp32), the largest read of a small model's decode step. The float table stays for token lookups."""
+    name = gguf_name("model.embed_tokens.weight")
+    t = tensors.get(name)
+    if t is None or _T(int(t.tensor_type)) not in _PACKABLE:
+        return
+    weights["lm_head"] = _read(t, "lm_head.weight", config, arch, torch.float32, packed=True)
 
 
 def _expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...] | None:

@@ -69,7 +69,7 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto", *,
-               keep_quantized: bool = False) -> Model:
+               keep_quantized: bool | None = None) -> Model:
     """Load a GGUF file or a Hugging Face directory.
 
     Parameters
@@ -77,8 +77,9 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     path : a ``.gguf`` file, a directory with ``config.json`` + safetensors, or None for SmolLM2-135M-Instruct.
     dtype : "float32", "bfloat16" or "float16" (the weights' and activations' dtype; logits are float32).
     backend : kernel/attention backend for every op ("auto", "cpu", "reference", "triton").
-    keep_quantized : GGUF only: keep Q4_0 / Q4_1 / Q8_0 projections packed (``QuantizedWeight``, exact) instead of
-        dequantizing them to ``dtype``.
+    keep_quantized : GGUF only. None (default): Q4_0 / Q4_1 / Q8_0 projections stay packed (``QuantizedWeight``,
+        exact), as llama.cpp runs the file, and other types are dequantized; True: every quantized projection must
+        stay packed; False: all are dequantized to ``dtype`` (what transformers computes with).
     """
     torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if torch_dtype not in _DTYPES.values():

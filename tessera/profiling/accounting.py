@@ -45,6 +45,9 @@ class OpStats:
     seconds: float = 0.0
     flops: float = 0.0
     bytes: float = 0.0
+    #: the compute roof the op ran on when a backend says it is not the model dtype's (``"int8"``: integer dot
+    #: products of an int8-activation quantized matmul); None: the model dtype's
+    roof: str | None = None
 
 
 @dataclass(slots=True)
@@ -59,12 +62,12 @@ class OpAccounting:
     phase: str | None = None
     _depth: int = 0
 
-    def add(self, name: str, seconds: float, cost: roofline.Cost) -> None:
+    def add(self, name: str, seconds: float, cost: roofline.Cost, roof: str | None = None) -> None:
         if self.phase is not None:
             name = f"{name} ({self.phase})"
         op = self.stats.get(name)
         if op is None:
-            op = self.stats[name] = OpStats(name)
+            op = self.stats[name] = OpStats(name, roof=roof)
         op.calls += 1
         op.seconds += seconds
         op.flops += cost[0]
@@ -98,7 +101,8 @@ def _matmul_cost(x: torch.Tensor, w: Any, *args: Any, **kwargs: Any) -> roofline
 def _lm_head_cost(hidden: torch.Tensor, table: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
     rows, (vocab, width) = hidden.numel() // hidden.shape[-1], table.shape
     # logits come out float32 whatever the model dtype
-    return roofline.matmul_cost(rows, vocab, width, table.element_size(), hidden.element_size(), out_bytes_per_elem=4)
+    per_weight = _nbytes(table) / max(vocab * width, 1)  # a packed table (QuantizedWeight) reads fewer bytes
+    return roofline.matmul_cost(rows, vocab, width, per_weight, hidden.element_size(), out_bytes_per_elem=4)
 
 
 def _embed_cost(ids: torch.Tensor, table: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
@@ -191,9 +195,11 @@ def _fused_layer_cost(*args: Any) -> roofline.Cost:
 def _weight_params_bytes(w: Any) -> tuple[int, int]:
     """(parameters, bytes) of a fused-layer projection: a float array, or an int4 tuple ``(packed [N, K/2], scales,
     offsets, group, has_min)`` whose bytes are the packed codes plus the per-group scales and offsets."""
-    if isinstance(w, tuple):
-        packed, scales, offsets = w[:3]
-        return int(packed.size) * 2, int(packed.nbytes + scales.nbytes + offsets.nbytes)
+    if isinstance(w, tuple):  # packed: (codes, scales, offsets, ...), led by an ISA token for the int8 kernels
+        arrays = [a for a in w if hasattr(a, "nbytes") and hasattr(a, "dtype")]
+        codes = arrays[0]
+        per_byte = 2 if codes.dtype.kind == "u" else 1  # uint8 holds two int4 codes, int8 one
+        return int(codes.size) * per_byte, int(sum(a.nbytes for a in arrays))
     return int(w.size), int(w.nbytes)
 
 
@@ -246,10 +252,11 @@ def account_ops(unfused: bool = False, phases: bool = False) -> Iterator[OpAccou
     >>> [(op.name, op.calls, op.seconds) for op in acct.sorted()[:5]]
     """
     acct = OpAccounting()
+    roofs = _roof_hooks()
     with contextlib.ExitStack() as stack:
         for module, attr, name, cost in TARGETS:
             owner, leaf = _resolve(module, attr)
-            stack.enter_context(_patched(owner, leaf, _wrap(getattr(owner, leaf), name, cost, acct)))
+            stack.enter_context(_patched(owner, leaf, _wrap(getattr(owner, leaf), name, cost, acct, roofs)))
         if unfused:
             stack.enter_context(force_unfused())
         if phases:
@@ -297,7 +304,17 @@ def _phase_marker(forward_step: Callable[..., Any], acct: OpAccounting) -> Calla
     return wrapper
 
 
-def _wrap(original: Callable[..., Any], name: str, cost: CostFn, acct: OpAccounting) -> Callable[..., Any]:
+def _roof_hooks() -> list[Callable[[str, tuple], str | None]]:
+    """Every usable backend's ``compute_roof(op, args)`` (backends whose kernels run on other roofs than the model
+    dtype's, e.g. integer dot products, expose one)."""
+    import tessera.attention  # noqa: F401  (backends import attention first)
+    from tessera.backends import registered
+
+    return [b.compute_roof for b in registered().values() if hasattr(b, "compute_roof") and not b.available()]
+
+
+def _wrap(original: Callable[..., Any], name: str, cost: CostFn, acct: OpAccounting,
+          roofs: list[Callable[[str, tuple], str | None]] = ()) -> Callable[..., Any]:
     """A plain function (so a patched method still binds ``self``) that times, counts and labels ``original``."""
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if acct._depth:
@@ -310,7 +327,8 @@ def _wrap(original: Callable[..., Any], name: str, cost: CostFn, acct: OpAccount
                 seconds = time.perf_counter() - start
         finally:
             acct._depth -= 1
-        acct.add(name, seconds, cost(*args, **kwargs))
+        roof = next((r for r in (hook(name, args) for hook in roofs) if r is not None), None)
+        acct.add(name, seconds, cost(*args, **kwargs), roof)
         return out
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]

@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from tessera.tools.weight_flags import add_weight_flags, keep_quantized
+
 if TYPE_CHECKING:  # the CLI parser imports this module; torch loads only when the command runs
     from rich.table import Table
 
@@ -30,8 +32,7 @@ def add_parser(commands) -> None:
     p.add_argument("--gen-len", type=int, default=16, help="generated tokens, EOS ignored (default 16)")
     p.add_argument("--dtype", choices=sorted(DTYPE_KEYS), default="float32")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--keep-quantized", action="store_true",
-                   help="GGUF: run the Q4_0/Q4_1/Q8_0 projections packed instead of de-quantized (faster decode)")
+    add_weight_flags(p)
     p.add_argument("--trace", default="tessera-profile.json", help="Chrome/Perfetto trace file to write")
     p.add_argument("--top", type=int, default=None, help="show only the K most expensive ops")
     p.add_argument("--unfused", action="store_true",
@@ -55,8 +56,8 @@ def _run(args: argparse.Namespace) -> int:
     with err.status("loading the model, reading this machine's ceilings..."):
         llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=1,
                   max_num_batched_tokens=max(512, args.prompt_len), enable_prefix_caching=False,
-                  keep_quantized=args.keep_quantized)
-        device = devices.this_cpu()
+                  keep_quantized=keep_quantized(args))
+        device = devices.this_cpu().with_peaks(_backend_peaks())
     with err.status(f"warming up, then profiling {args.prompt_len} prompt + {args.gen_len} generated tokens..."):
         result = profile_request(llm, args.prompt_len, args.gen_len, args.trace, unfused=args.unfused,
                                  phases=not args.merge_phases)
@@ -67,13 +68,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend_peaks() -> dict[str, float]:
+    """Compute peaks usable backends measure for their kernel variants (e.g. ``int8`` dot products)."""
+    import tessera.attention  # noqa: F401
+    from tessera.backends import registered
+
+    peaks: dict[str, float] = {}
+    for backend in registered().values():
+        if hasattr(backend, "compute_peaks") and not backend.available():
+            peaks.update(backend.compute_peaks())
+    return peaks
+
+
 def ops_table(result: ProfileResult, device: Device, dtype: str, top: int | None = None) -> Table:
     """A rich Table of ``result``'s ops, most expensive first, each against ``device``'s roofline for ``dtype``."""
     from rich.table import Table
 
     from tessera.hw import roofline
 
-    caption = (f"roofline: {device.name}, {device.peak(dtype) / 1e9:.0f} GFLOP/s {dtype}, "
+    extra = "".join(f", {device.peak(k) / 1e9:.0f} GOP/s {k}" for k in sorted(device.peak_flops) if k != dtype
+                    and k != "bf16")
+    caption = (f"roofline: {device.name}, {device.peak(dtype) / 1e9:.0f} GFLOP/s {dtype}{extra}, "
                f"{device.mem_bw / 1e9:.1f} GB/s ({device.source}). "
                "'roof ms' = max(FLOPs / peak, bytes / bandwidth), a lower bound; 'of roof' = roof ms / ms.")
     table = Table(title=f"ops of one request ({result.prompt_len} prompt + {result.gen_len} generated tokens), "
@@ -85,12 +100,13 @@ def ops_table(result: ProfileResult, device: Device, dtype: str, top: int | None
         table.add_column(name, justify=justify, no_wrap=True)
     wall = max(result.wall_seconds, 1e-12)
     for op in result.ops.sorted()[:top]:
-        predicted = roofline.predict_seconds(op.flops, op.bytes, device, dtype)
+        roof = op.roof if op.roof in device.peak_flops else dtype  # e.g. int8 dot products: their own roof
+        predicted = roofline.predict_seconds(op.flops, op.bytes, device, roof)
         seconds = max(op.seconds, 1e-12)
         table.add_row(op.name, f"{op.seconds / wall:.1%}", str(op.calls), f"{op.seconds * 1e3:.2f}", _si(op.flops),
                       _si(op.bytes, "B"), f"{op.flops / seconds / 1e9:.2f}", f"{op.bytes / seconds / 1e9:.2f}",
                       f"{predicted * 1e3:.3f}", f"{predicted / seconds:.1%}",
-                      roofline.bound(op.flops, op.bytes, device, dtype))
+                      roofline.bound(op.flops, op.bytes, device, roof) + ("" if roof == dtype else f" ({roof})"))
     table.add_row("python/other", f"{result.other_seconds / wall:.1%}", "", f"{result.other_seconds * 1e3:.2f}",
                   "", "", "", "", "", "", "", style="dim")
     return table

@@ -68,7 +68,7 @@ def validate(path: str | Path | None, dtype: str = "float32", prompt: str = DEFA
     from tessera.models import default_model_path, load_model
 
     path = Path(path) if path is not None else default_model_path()
-    ours = load_model(path, dtype=dtype, backend=backend)
+    ours = load_model(path, dtype=dtype, backend=backend, keep_quantized=False)  # the weights transformers uses
     ids = token_ids(ours, prompt, seq)
     hidden: list[torch.Tensor] = []
     logits = ours.logits(ids, hidden_states=hidden)

@@ -53,7 +53,10 @@ def test_derived_rates_fractions_and_roofline():
 
 def test_rotating_copies_cover_the_cache():
     assert harness.copies_for(1 << 30) == 1
-    assert harness.copies_for(8 << 20) == 16
+    assert harness.copies_for(8 << 20, total=128 << 20) == 16
+    from tessera.tuning.fingerprint import cache_sizes
+
+    assert harness.rotate_bytes() >= max(harness.ROTATE_BYTES, 2 * (cache_sizes().get("L3") or 0))
     nxt = harness.rotating(["a", "b", "c"])
     assert [nxt() for _ in range(5)] == ["a", "b", "c", "a", "b"]
 

@@ -18,6 +18,13 @@ FORMATS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 12
            ("int4_min", 128), ("fp8_e4m3", None)]
 
 
+@pytest.fixture(autouse=True)
+def _float_activations(monkeypatch):
+    """These tests hold qmatmul to weight-only semantics (float x); the cpu backend's int8-activation qgemv variants
+    are checked against their own oracle in tests/backends/test_cpu_variants.py."""
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=portable")
+
+
 def _weight(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
     # rows of different magnitudes, so per-row/per-group scales matter
     return torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)

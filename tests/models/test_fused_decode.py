@@ -8,6 +8,7 @@ import transformers
 
 import tessera.models.paged as paged
 from tessera.backends.cpu import decode as cpu_decode
+from tessera.backends.cpu import variants
 from tessera.models import load_model
 from tessera.models.fused_decode import unsupported_reason
 from tessera.models.paged import StepBatch, forward_step, new_cache
@@ -107,10 +108,14 @@ def test_unsupported_families_name_the_reason(name, tmp_path):
     assert reason and ("norm" in reason or "experts" in reason)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int4_min"])
-def test_fused_decode_with_int4_projections(fmt, tmp_path, fused_calls):
-    """Packed int4 projections (as a GGUF Q4_0 / Q4_1 model keeps them) run through the fused kernel too."""
+@pytest.mark.parametrize("variant", variants.available("qgemv"))
+@pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
+def test_fused_decode_with_int4_projections(fmt, variant, tmp_path, fused_calls, monkeypatch):
+    """Packed projections (as a GGUF Q4_0 / Q4_1 / Q8_0 model keeps them) run through the fused kernel too, under
+    every ``qgemv`` variant this CPU runs; int8 needs an int8-activation variant (the portable one declines it)."""
     from tessera.kernels import quantize
+
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", f"qgemv={variant}")
 
     config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -132,4 +137,4 @@ def test_fused_decode_with_int4_projections(fmt, tmp_path, fused_calls):
         per_op = forward_step(model, caches[1], step, fused=False)
         torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)  # x's group sums: another summation order
         seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
-    assert fused_calls == [True] * 3
+    assert fused_calls == [fmt != "int8" or variant != "portable"] * 3

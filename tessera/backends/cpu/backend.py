@@ -39,6 +39,24 @@ class CpuBackend:
     def available(self) -> list[str]:
         return []
 
+    def kernel_variants(self) -> list[dict[str, object]]:
+        """Per op family, the kernel variant chosen for this CPU and why (:func:`.variants.explain`)."""
+        from tessera.backends.cpu import variants
+
+        return variants.explain()
+
+    def compute_peaks(self) -> dict[str, float]:
+        """Roofline peaks of this backend's variants beyond the fp32 GEMM ceiling (measured: :mod:`.peaks`)."""
+        from tessera.backends.cpu import peaks
+
+        return peaks.compute_peaks()
+
+    def compute_roof(self, op: str, args: tuple) -> str | None:
+        """Which of :meth:`compute_peaks` an accounted op call runs on (None: the model dtype's roof)."""
+        from tessera.backends.cpu import peaks
+
+        return peaks.roof_of(op, args)
+
     def why_not(self, request: AttentionRequest) -> list[str]:
         reasons = []
         if request.device.type != "cpu":

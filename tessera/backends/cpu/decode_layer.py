@@ -22,6 +22,8 @@ from numba.core.extending import overload
 from tessera.backends.cpu.decode_kernel import decode_item
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
+from tessera.backends.cpu.ops._int8_simd import IsaTokenType
+from tessera.backends.cpu.ops._qdot_kernels import int4_rows, int8_rows, quantize_rows
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
@@ -63,7 +65,10 @@ def _project(x, w, b, like):  # pragma: no cover - replaced by the overload insi
 def _project_overload(x, w, b, like):
     """``x @ w.T (+ b)`` for storage ``x [T, K]``: ``w`` is a float storage array ``[N, K]`` (the float GEMV's rows),
     or an int4 weight as the tuple ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], g, has_min)``
-    (the int4 GEMV's rows, with x split into low/high-nibble halves and group sums exactly as the host side does)."""
+    (the int4 GEMV's rows, with x split into low/high-nibble halves and group sums exactly as the host side does),
+    or, for the int8-activation ``qgemv`` variants, a tuple led by the variant's ISA token:
+    ``(isa, packed, scales, offsets, has_min, g)`` (int4 / int4_min) or ``(isa, q int8 [N, K], scales, g)`` (int8),
+    run by the same row kernels as the per-op path (:mod:`.ops._qdot_kernels`)."""
     if isinstance(w, types.Array):
         def float_weight(x, w, b, like):
             xf = _widened(x)
@@ -71,6 +76,23 @@ def _project_overload(x, w, b, like):
             _gemv_rows(xf, w, acc, 0, w.shape[0])
             return _finish(acc, b, like)
         return float_weight
+    if isinstance(w, types.BaseTuple) and isinstance(w.types[0], IsaTokenType):
+        if len(w.types) == 6:
+            def int4_int8_activation(x, w, b, like):
+                isa, packed, scales, offsets, has_min, group = w
+                xq, xd, xs = quantize_rows(x)
+                acc = np.empty((x.shape[0], packed.shape[0]), dtype=np.float32)
+                int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, 0, packed.shape[0])
+                return _finish(acc, b, like)
+            return int4_int8_activation
+
+        def int8_int8_activation(x, w, b, like):
+            isa, q, scales, group = w
+            xq, xd, _ = quantize_rows(x)
+            acc = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
+            int8_rows(isa, xq, xd, q, scales, group, acc, 0, q.shape[0])
+            return _finish(acc, b, like)
+        return int8_int8_activation
     if isinstance(w, types.BaseTuple):
         def int4_weight(x, w, b, like):
             packed, scales, offsets, group, has_min = w

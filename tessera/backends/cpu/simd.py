@@ -19,24 +19,25 @@ from __future__ import annotations
 
 import os
 
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, models, register_model
 
+from tessera.backends.cpu import variants
+
 
 def _lanes() -> int:
-    """16 with AVX-512F, else 8; ``TESSERA_SIMD_LANES=8`` (or 16) overrides it, so that tests on one machine cover the
-    other width's code paths (LLVM splits or joins registers as needed, so either width runs anywhere)."""
+    """16 under the ``simd=avx512`` kernel variant (chosen with AVX-512F), else 8; ``TESSERA_SIMD_LANES=8`` (or 16)
+    overrides it, so that tests on one machine cover the other width's code paths (LLVM splits or joins registers as
+    needed, so either width runs anywhere)."""
     forced = os.environ.get("TESSERA_SIMD_LANES")
     if forced is not None:
         if forced not in ("8", "16"):
             raise ValueError(f"TESSERA_SIMD_LANES must be 8 or 16, got {forced!r}")
         return int(forced)
-    features = llvm_binding.get_host_cpu_features()
-    return 16 if features.get("avx512f", False) else 8
+    return 16 if variants.choose("simd").name == "avx512" else 8
 
 
 #: float32 lanes per vector (16 with AVX-512F, else 8)

@@ -1,13 +1,15 @@
 """Quantized matmul at a Llama-7B projection (4096 x 4096): ours (backend="cpu") vs torch's fp32 ``x @ w.T``.
 
-Decode (M=1) is memory-bound: fp32 W is 64 MiB, int8 16 MiB, int4 8 MiB plus scales, hence issue 5's targets of
-0.4x (int8) and 0.3x (int4) the fp32 time. The packed weights rotate through copies (128 MiB in all) so that they
-stream from DRAM like the fp32 baseline does. M=8 is the Numba kernel's small-batch path; M=64 dequantizes tiles for BLAS.
+Decode (M=1) is memory-bound: fp32 W is 64 MiB, int8 16 MiB, int4 8 MiB plus scales, hence the targets of
+0.4x (int8) and 0.3x (int4) the fp32 time. Both the packed weights and the fp32 baseline rotate through copies
+(:func:`tessera.bench.harness.rotate_bytes`: at least twice the last-level cache) so that both stream from DRAM.
+The default ``qgemv`` variant runs every format; each other variant this CPU runs gets the GGUF block formats. M=8 is the Numba kernel's small-batch path; M=64 dequantizes tiles for BLAS.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -29,23 +31,59 @@ def _copies(qw: quant.QuantizedWeight) -> list[quant.QuantizedWeight]:
                                        mins=clone(qw.mins)) for _ in range(copies_for(qw.nbytes) - 1)]
 
 
-def _case(fmt: str, group: int | None, target: float | None, m: int, w: torch.Tensor) -> KernelCase:
+def _variants() -> list[str]:
+    """The cpu ``qgemv`` kernel variants this machine runs, best first (from the backend's own report)."""
+    from tessera.backends import registered
+
+    for row in getattr(registered()["cpu"], "kernel_variants", list)():
+        if row["family"] == "qgemv":
+            return list(row["available"])
+    return []
+
+
+def _under(variant: str | None, fn):
+    """``fn`` run with the ``qgemv`` variant forced (None: whatever is chosen by default)."""
+    if variant is None:
+        return fn
+
+    def run():
+        before = os.environ.get("TESSERA_CPU_VARIANTS")
+        os.environ["TESSERA_CPU_VARIANTS"] = f"qgemv={variant}"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["TESSERA_CPU_VARIANTS"]
+            else:
+                os.environ["TESSERA_CPU_VARIANTS"] = before
+
+    return run
+
+
+def _case(fmt: str, group: int | None, target: float | None, m: int, w: torch.Tensor,
+          baseline_weights, variant: str | None = None) -> KernelCase:
     qw = quant.quantize(w, fmt, group)
     weights = rotating(_copies(qw))
     x = torch.randn(m, HIDDEN)
     n, k = w.shape
-    label = f"qmatmul {fmt}" + (f"/g{group}" if group else "") + f" M={m} {n}x{k}"
-    return KernelCase("quant", label, lambda: quant.qmatmul(x, weights(), backend="cpu"), lambda: x @ w.T,
+    label = f"qmatmul {fmt}" + (f"/g{group}" if group else "") + f" M={m} {n}x{k}" + (f" [{variant}]" if variant else "")
+    return KernelCase("quant", label, _under(variant, lambda: quant.qmatmul(x, weights(), backend="cpu")),
+                      lambda: x @ baseline_weights().T,
                       bytes_moved=qw.nbytes + 4 * (m * k + m * n), flops=2 * m * n * k,
                       target=target if m == 1 else None)
 
 
 def cases(quick: bool) -> list[KernelCase]:
     w = torch.randn(HIDDEN, HIDDEN) * 0.02
-    out = [_case(fmt, group, target, 1, w) for fmt, group, target in FORMATS]
+    # the fp32 baseline streams from DRAM too: one 64 MiB matrix would sit in a 300 MiB L3
+    fp32 = rotating([w] + [w.clone() for _ in range(copies_for(w.numel() * 4) - 1)])
+    out = [_case(fmt, group, target, 1, w, fp32) for fmt, group, target in FORMATS]
+    # every other qgemv variant this CPU runs, on the GGUF block formats
+    for variant in _variants()[1:]:
+        out += [_case(fmt, 32, target, 1, w, fp32, variant) for fmt, group, target in FORMATS if group == 32]
     if not quick:
-        out += [_case(fmt, group, None, 8, w) for fmt, group, _ in FORMATS[::2]]
-        out += [_case("int4", 128, None, 64, w)]
+        out += [_case(fmt, group, None, 8, w, fp32) for fmt, group, _ in FORMATS[::2]]
+        out += [_case("int4", 128, None, 64, w, fp32)]
         x = torch.randn(64, HIDDEN)
         out.append(KernelCase("quant", f"matmul fp32 M=64 {HIDDEN}x{HIDDEN}",
                               lambda: quant.matmul(x, w, backend="cpu"), lambda: x @ w.T,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tessera.backends.cpu.ops import _gemv as float_gemv
+from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops import _quant_kernels as kernels
 from tessera.backends.reference.ops.quant import dequantize_in, quantize_in
 from tessera.kernels.quant import QuantizedWeight
@@ -108,6 +109,10 @@ def _gemm_tiled(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 def _gemv(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     m, k = x.shape
     g = qw.group_size
+    isa = qdot.chosen_token()
+    if isa is not None and qdot.unsupported(qw) is None:  # int8 dot products (the qgemv variant in force)
+        serial = m * qw.shape[0] * k < tuned("gemv_serial_work", None, SERIAL_WORK)
+        return qdot.qmatmul(x, qw, isa, serial)
     out = torch.empty(m, qw.shape[0], dtype=torch.float32)
     xn, on = x.numpy(), out.numpy()
     if qw.fmt in ("int8", "fp8_e4m3"):

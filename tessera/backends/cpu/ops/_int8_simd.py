@@ -1,0 +1,290 @@
+"""Explicit 256-bit integer SIMD for Numba: the int8 dot products behind the int8-activation quantized GEMV.
+
+Why explicit: a quantized GEMV that widens every 4-bit code to float32 and FMAs it runs at ~10 GMAC/s per core,
+compute-bound well below the memory's rate. Quantizing the activation row to int8 (one scale per block of 32, as
+llama.cpp's Q8_0 does) turns each block of 32 multiply-adds into one or two integer instructions: ``VPMADDUBSW`` +
+``VPMADDWD`` on AVX2, one ``VPDPBUSD`` with VNNI. LLVM's auto-vectorizer does not form either from Numba's loops
+(the int16 saturation of ``VPMADDUBSW`` has no plain-IR spelling it matches), so these intrinsics emit them.
+
+Which instruction a dot product uses is a compile-time choice carried by an *ISA token*: a Python object whose Numba
+type names the variant (:data:`AVX2`, :data:`VNNI`). Kernels take the token as an argument, so each variant is its own
+compiled specialization and a CPU without VNNI never compiles (or caches) a ``VPDPBUSD``.
+
+Vectors: ``i8x32`` (32 int8 lanes, one ymm), ``i32x8`` and ``f32x8``. Addresses are flat element offsets from a
+C-contiguous array's data pointer.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.errors import TypingError
+from numba.extending import NativeValue, intrinsic, models, register_model, typeof_impl, unbox
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_V8x32 = ir.VectorType(_I8, 32)
+_V8x16 = ir.VectorType(_I8, 16)
+_V16x16 = ir.VectorType(_I16, 16)
+_V32x8 = ir.VectorType(_I32, 8)
+_VF8 = ir.VectorType(_F32, 8)
+
+
+class _VecType(types.Type):
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name)
+
+
+i8x32 = _VecType("i8x32")
+i32x8 = _VecType("i32x8")
+f32x8 = _VecType("f32x8")
+
+
+@register_model(type(i8x32))
+class _VecModel(models.PrimitiveModel):
+    _IR = {"i8x32": _V8x32, "i32x8": _V32x8, "f32x8": _VF8}
+
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, self._IR[fe_type.name])
+
+
+# ------------------------------------------------------------------------------------------------ ISA tokens
+class IsaToken:
+    """A compile-time variant selector passed into kernels (see the module docstring)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"IsaToken({self.name!r})"
+
+
+class IsaTokenType(types.Type):
+    def __init__(self, isa: str) -> None:
+        self.isa = isa
+        super().__init__(name=f"IsaToken({isa})")
+
+
+@register_model(IsaTokenType)
+class _TokenModel(models.OpaqueModel):
+    pass
+
+
+@typeof_impl.register(IsaToken)
+def _typeof_token(val, c):
+    return IsaTokenType(val.name)
+
+
+@unbox(IsaTokenType)
+def _unbox_token(typ, obj, c):
+    return NativeValue(c.context.get_constant_null(typ))
+
+
+#: ``VPMADDUBSW`` + ``VPMADDWD`` (AVX2)
+AVX2 = IsaToken("avx2")
+#: ``VPDPBUSD`` on 256-bit vectors (AVX-VNNI, or AVX512-VNNI with VL: LLVM picks the encoding the CPU has)
+VNNI = IsaToken("vnni")
+TOKENS = {"avx2": AVX2, "vnni": VNNI}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _check_bytes(arr, what: str) -> None:
+    if not isinstance(arr, types.Array) or arr.dtype not in (types.int8, types.uint8):
+        raise TypingError(f"{what}: expected an int8 or uint8 array, got {arr}")
+    if arr.layout != "C":
+        raise TypingError(f"{what}: the array must be C-contiguous (flat offsets), got layout {arr.layout!r}")
+    return None
+
+
+def _byte_pointer(context, builder, arr_type, arr, index, index_type):
+    ary = context.make_array(arr_type)(context, builder, arr)
+    idx = context.cast(builder, index, index_type, types.intp)
+    return builder.gep(ary.data, [idx])
+
+
+def _load(builder, ptr, vec_type):
+    return builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=1)
+
+
+def _splat(value, vec_type):
+    return ir.Constant(vec_type, [value] * vec_type.count)
+
+
+def _fn(builder, name: str, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _mask(values):
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+
+
+def _load_typer(what: str, emit):
+    def typer(typingctx, arr, index):
+        _check_bytes(arr, what)
+        if not isinstance(index, types.Integer):
+            raise TypingError(f"{what}: the offset must be an integer, got {index}")
+
+        def codegen(context, builder, signature, args):
+            ptr = _byte_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            return emit(builder, ptr)
+
+        return i8x32(arr, index), codegen
+
+    typer.__name__ = typer.__qualname__ = what
+    return intrinsic(typer)
+
+
+def _emit_load32(builder, ptr):
+    return _load(builder, ptr, _V8x32)
+
+
+def _emit_nibbles16(builder, ptr):
+    raw = _load(builder, ptr, _V8x16)
+    lo = builder.and_(raw, _splat(15, _V8x16))
+    hi = builder.lshr(raw, _splat(4, _V8x16))
+    return builder.shuffle_vector(lo, hi, _mask(range(32)))
+
+
+def _emit_low_nibbles32(builder, ptr):
+    return builder.and_(_load(builder, ptr, _V8x32), _splat(15, _V8x32))
+
+
+def _emit_high_nibbles32(builder, ptr):
+    return builder.lshr(_load(builder, ptr, _V8x32), _splat(4, _V8x32))
+
+
+load_i8x32 = _load_typer("load_i8x32", _emit_load32)
+load_i8x32.__doc__ = "32 bytes from flat offset ``index``."
+nibbles16 = _load_typer("nibbles16", _emit_nibbles16)
+nibbles16.__doc__ = ("16 bytes from ``index`` unpacked to 32 codes: lanes 0-15 the low nibbles, 16-31 the high ones "
+                     "(a 32-weight group packed as byte ``j`` = element ``j`` low, ``j + 16`` high).")
+low_nibbles32 = _load_typer("low_nibbles32", _emit_low_nibbles32)
+low_nibbles32.__doc__ = "The low nibbles of 32 bytes from ``index`` (codes 0..15)."
+high_nibbles32 = _load_typer("high_nibbles32", _emit_high_nibbles32)
+high_nibbles32.__doc__ = "The high nibbles of 32 bytes from ``index`` (codes 0..15)."
+
+
+def _emit_dot_u8s8(builder, isa: str, u, s):
+    """Per int32 lane ``i``: the sum of ``u[4i+j] * s[4i+j]``, j < 4, u unsigned and s signed bytes."""
+    if isa == "vnni":
+        fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _V32x8, [_V32x8] * 3)
+        return builder.call(fn, [_splat(0, _V32x8), builder.bitcast(u, _V32x8), builder.bitcast(s, _V32x8)])
+    # VPMADDUBSW: adjacent u8*s8 pairs summed into saturating int16 (a pair of 4-bit or 7-bit codes times int8
+    # stays below 2 * 127 * 127 = 32258 < 32767, so it never saturates here); VPMADDWD by ones: pairs of those to int32
+    pairs = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16x16, [_V8x32, _V8x32]), [u, s])
+    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _V32x8, [_V16x16, _V16x16]),
+                        [pairs, _splat(1, _V16x16)])
+
+
+def _token_isa(token, what: str) -> str:
+    if not isinstance(token, IsaTokenType) or token.isa not in TOKENS:
+        raise TypingError(f"{what}: expected an ISA token ({sorted(TOKENS)}), got {token}")
+    return token.isa
+
+
+@intrinsic
+def dot_u8s8(typingctx, token, u, s):
+    """``i32x8``: lane ``i`` = sum over ``j < 4`` of ``u[4i+j] * s[4i+j]`` (u unsigned codes <= 127, s int8)."""
+    isa = _token_isa(token, "dot_u8s8")
+    if (u, s) != (i8x32, i8x32):
+        raise TypingError(f"dot_u8s8: expected two {i8x32}, got {u}, {s}")
+
+    def codegen(context, builder, signature, args):
+        return _emit_dot_u8s8(builder, isa, args[1], args[2])
+
+    return i32x8(token, u, s), codegen
+
+
+@intrinsic
+def dot_s8s8(typingctx, token, w, s):
+    """``i32x8`` as :func:`dot_u8s8` for signed ``w`` (int8 in -127..127): ``|w| * (s * sign(w))``."""
+    isa = _token_isa(token, "dot_s8s8")
+    if (w, s) != (i8x32, i8x32):
+        raise TypingError(f"dot_s8s8: expected two {i8x32}, got {w}, {s}")
+
+    def codegen(context, builder, signature, args):
+        w_, s_ = args[1], args[2]
+        # |w| and sign(w) * s (VPABSB, VPSIGNB): the unsigned-by-signed instructions then give w * s exactly
+        absw = builder.call(_fn(builder, "llvm.abs.v32i8", _V8x32, [_V8x32, ir.IntType(1)]),
+                            [w_, ir.Constant(ir.IntType(1), 0)])
+        signed = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", _V8x32, [_V8x32, _V8x32]), [s_, w_])
+        return _emit_dot_u8s8(builder, isa, absw, signed)
+
+    return i32x8(token, w, s), codegen
+
+
+@intrinsic
+def fma_i32(typingctx, d, scale, acc):
+    """``acc + float(d) * scale`` lane by lane (``f32x8``); int32 sums of <= 2^24 convert exactly."""
+    if d != i32x8 or acc != f32x8 or not isinstance(scale, (types.Float, types.Integer)):
+        raise TypingError(f"fma_i32: expected ({i32x8}, a float, {f32x8}), got ({d}, {scale}, {acc})")
+
+    def codegen(context, builder, signature, args):
+        s = context.cast(builder, args[1], signature.args[1], types.float32)
+        one = builder.insert_element(ir.Constant(_VF8, ir.Undefined), s, ir.Constant(_I32, 0))
+        splat = builder.shuffle_vector(one, one, _mask([0] * 8))
+        fma = _fn(builder, "llvm.fma.v8f32", _VF8, [_VF8] * 3)
+        return builder.call(fma, [builder.sitofp(args[0], _VF8), splat, args[2]])
+
+    return f32x8(d, scale, acc), codegen
+
+
+@intrinsic
+def add_i32(typingctx, a, b):
+    """``a + b`` lane by lane (``i32x8``)."""
+    if (a, b) != (i32x8, i32x8):
+        raise TypingError(f"add_i32: expected two {i32x8}, got {a}, {b}")
+
+    def codegen(context, builder, signature, args):
+        return builder.add(args[0], args[1])
+
+    return i32x8(a, b), codegen
+
+
+@intrinsic
+def zero_f32x8(typingctx):
+    """An ``f32x8`` of zeros."""
+
+    def codegen(context, builder, signature, args):
+        return _splat(0.0, _VF8)
+
+    return f32x8(), codegen
+
+
+@intrinsic
+def sum_f32x8(typingctx, a):
+    """The sum of an ``f32x8``'s lanes, as float32 (halving shuffles)."""
+    if a != f32x8:
+        raise TypingError(f"sum_f32x8: expected {f32x8}, got {a}")
+
+    def codegen(context, builder, signature, args):
+        vec, width = args[0], 8
+        while width > 1:
+            half = width // 2
+            lo = builder.shuffle_vector(vec, vec, _mask(range(half)))
+            hi = builder.shuffle_vector(vec, vec, _mask(range(half, width)))
+            vec, width = builder.fadd(lo, hi), half
+        return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
+
+
+@intrinsic
+def load_f32(typingctx, arr, index):
+    """Element ``index`` (flat offset) of a C-contiguous float32 array, without the negative-index wraparound code
+    that ``arr[i]`` carries when Numba cannot prove ``i >= 0``."""
+    if not isinstance(arr, types.Array) or arr.dtype != types.float32 or arr.layout != "C":
+        raise TypingError(f"load_f32: expected a C-contiguous float32 array, got {arr}")
+    if not isinstance(index, types.Integer):
+        raise TypingError(f"load_f32: the offset must be an integer, got {index}")
+
+    def codegen(context, builder, signature, args):
+        ptr = _byte_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        return builder.load(ptr, align=4)
+
+    return types.float32(arr, index), codegen

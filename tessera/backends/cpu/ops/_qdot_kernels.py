@@ -1,0 +1,239 @@
+"""Int8-activation quantized GEMV: packed int4 / int8 weights dotted with x quantized to int8, in integer SIMD.
+
+The activation rows are quantized once per call, per block of 32 along K (llama.cpp's Q8_0 for activations):
+``d = max|x| / 127``, ``q = round(x / d)``. Each block of 32 weights then costs one integer dot product
+(:mod:`._int8_simd`: ``VPMADDUBSW + VPMADDWD`` or ``VPDPBUSD``) and one float FMA of its eight int32 partial sums by
+``s_w * d``. The result is exactly ``W_deq @ x_deq`` up to float32 rounding of those FMAs, where ``x_deq = q * d`` is
+the quantized activation (a relative error of at most ``1/254`` of each block's largest entry): the integer part is
+exact, since a block's sum stays below 2^24.
+
+Weight layouts (:class:`tessera.kernels.quant.QuantizedWeight`):
+
+- int4 / int4_min, group 32 (GGUF Q4_0 / Q4_1): a group's 16 bytes hold elements 0-15 in their low nibbles and
+  16-31 in their high ones, so ``nibbles16`` yields the group's 32 codes in order.
+- int4 / int4_min, group 64 or 128: byte ``j`` of a group holds elements ``j`` and ``j + G/2``; 32 bytes give two
+  activation blocks, one from the low nibbles and one from the high.
+- int8, group 32 (GGUF Q8_0), 64, 128 or per channel: 32 signed codes per block, in order.
+
+Codes are unsigned for int4 (0..15), so the zero point and the Q4_1 min enter as a per-group term
+``offset * sum(x_deq over the group)`` added once per row, not per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from tessera.backends.cpu.numba_math import FASTMATH, widen
+from tessera.backends.cpu.ops._int8_simd import (
+    dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32, nibbles16, sum_f32x8,
+    zero_f32x8,
+)
+
+BLOCK = 32  # activation elements per int8 scale
+ROWS = 16  # output rows per parallel work item
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def quantize_row(x, m, xq, xd, xs):  # pragma: no cover - compiled
+    """Row ``m`` of storage ``x [M, K]`` (float32, bf16 or fp16 bits; K a multiple of 32) into int8 codes
+    ``xq[m]``, block scales ``xd[m]`` and block sums ``xs[m] = d * sum(q)`` (the block's sum of ``x_deq``)."""
+    k = x.shape[1]
+    for b in range(k // BLOCK):
+        amax = np.float32(0.0)
+        for j in range(BLOCK):
+            amax = max(amax, abs(widen(x[m, b * BLOCK + j])))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for j in range(BLOCK):
+            q = np.int32(math.floor(widen(x[m, b * BLOCK + j]) * inv + np.float32(0.5)))
+            xq[m, b * BLOCK + j] = np.int8(q)
+            total += q
+        xd[m, b] = d
+        xs[m, b] = d * np.float32(total)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def quantize_rows(x):  # pragma: no cover - compiled
+    """All rows of ``x`` (see :func:`quantize_row`); returns ``(xq int8 [M, K], xd, xs float32 [M, K // 32])``."""
+    m_rows, k = x.shape
+    xq = np.empty((m_rows, k), dtype=np.int8)
+    xd = np.empty((m_rows, k // BLOCK), dtype=np.float32)
+    xs = np.empty((m_rows, k // BLOCK), dtype=np.float32)
+    for m in range(m_rows):
+        quantize_row(x, m, xq, xd, xs)
+    return xq, xd, xs
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def quantize_activations(x):  # pragma: no cover - compiled
+    """:func:`quantize_rows` as a kernel of its own (what the per-op matmul and the tests call)."""
+    return quantize_rows(x)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _group_sums(xs, group, m):  # pragma: no cover - compiled
+    """Sum of ``x_deq`` over each weight group of row ``m`` (from the block sums)."""
+    per = group // BLOCK
+    ng = xs.shape[1] // per
+    out = np.empty(ng, dtype=np.float32)
+    for g in range(ng):
+        total = np.float32(0.0)
+        for j in range(per):
+            total += xs[m, g * per + j]
+        out[g] = total
+    return out
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_offsets(gsum, scales, offsets, has_min, n):  # pragma: no cover - compiled
+    """Row ``n``'s zero-point (``-z * s``) or min term against the group sums of x."""
+    y = np.float32(0.0)
+    for g in range(gsum.shape[0]):
+        off = offsets[n, g] if has_min else -np.float32(offsets[n, g]) * scales[n, g]
+        y += off * gsum[g]
+    return y
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_g32_rows4(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+    """Scaled integer dots of rows ``n .. n+3`` (group 32) with activation row ``m``: one activation load serves
+    four weight rows."""
+    nb = xd.shape[1]
+    hk = packed.shape[1]
+    a0 = zero_f32x8()
+    a1 = zero_f32x8()
+    a2 = zero_f32x8()
+    a3 = zero_f32x8()
+    xo = m * xq.shape[1]
+    do = m * nb
+    r0, r1, r2, r3 = n * hk, (n + 1) * hk, (n + 2) * hk, (n + 3) * hk
+    s0, s1, s2, s3 = n * nb, (n + 1) * nb, (n + 2) * nb, (n + 3) * nb
+    for b in range(nb):
+        s = load_i8x32(xq, xo + b * BLOCK)
+        d = load_f32(xd, do + b)
+        a0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r0 + b * 16), s), load_f32(scales, s0 + b) * d, a0)
+        a1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r1 + b * 16), s), load_f32(scales, s1 + b) * d, a1)
+        a2 = fma_i32(dot_u8s8(isa, nibbles16(packed, r2 + b * 16), s), load_f32(scales, s2 + b) * d, a2)
+        a3 = fma_i32(dot_u8s8(isa, nibbles16(packed, r3 + b * 16), s), load_f32(scales, s3 + b) * d, a3)
+    return sum_f32x8(a0), sum_f32x8(a1), sum_f32x8(a2), sum_f32x8(a3)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - compiled
+    """Scaled integer dot of row ``n`` (any group size) with activation row ``m``."""
+    nb = xd.shape[1]
+    hk = packed.shape[1]
+    ng = scales.shape[1]
+    acc = zero_f32x8()
+    xo = m * xq.shape[1]
+    do = m * nb
+    r = n * hk
+    if group == BLOCK:
+        for b in range(nb):
+            s = load_i8x32(xq, xo + b * BLOCK)
+            acc = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), s),
+                          load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc)
+        return sum_f32x8(acc)
+    per = group // BLOCK  # activation blocks per group; the low nibbles hold the first half of them
+    half = per // 2
+    for g in range(ng):
+        sw = load_f32(scales, n * ng + g)
+        for c in range(half):
+            off = r + g * (group // 2) + c * BLOCK
+            blo = g * per + c
+            bhi = blo + half
+            acc = fma_i32(dot_u8s8(isa, low_nibbles32(packed, off), load_i8x32(xq, xo + blo * BLOCK)),
+                          sw * load_f32(xd, do + blo), acc)
+            acc = fma_i32(dot_u8s8(isa, high_nibbles32(packed, off), load_i8x32(xq, xo + bhi * BLOCK)),
+                          sw * load_f32(xd, do + bhi), acc)
+    return sum_f32x8(acc)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, n_lo, n_hi):  # pragma: no cover
+    """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int4 / int4_min weights (see the module docstring):
+    ``xq, xd, xs`` from :func:`quantize_rows`, ``packed`` uint8 ``[N, K // 2]``, ``scales`` float32 ``[N, ng]``,
+    ``offsets`` uint8 zero points or float32 mins ``[N, ng]``."""
+    m_rows = xq.shape[0]
+    for m in range(m_rows):
+        gsum = _group_sums(xs, group, m)
+        n = n_lo
+        if group == BLOCK:
+            while n + 4 <= n_hi:
+                y0, y1, y2, y3 = _int4_g32_rows4(isa, xq, xd, m, packed, scales, n)
+                out[m, n] = y0 + _int4_offsets(gsum, scales, offsets, has_min, n)
+                out[m, n + 1] = y1 + _int4_offsets(gsum, scales, offsets, has_min, n + 1)
+                out[m, n + 2] = y2 + _int4_offsets(gsum, scales, offsets, has_min, n + 2)
+                out[m, n + 3] = y3 + _int4_offsets(gsum, scales, offsets, has_min, n + 3)
+                n += 4
+        while n < n_hi:
+            out[m, n] = _int4_row(isa, xq, xd, m, packed, scales, group, n) + \
+                _int4_offsets(gsum, scales, offsets, has_min, n)
+            n += 1
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int8_row(isa, xq, xd, m, q, scales, group, n):  # pragma: no cover - compiled
+    nb = xd.shape[1]
+    k = q.shape[1]
+    ng = scales.shape[1]
+    xo = m * xq.shape[1]
+    do = m * nb
+    r = n * k
+    if ng == 1:  # per channel: one scale for the row, applied at the end
+        acc = zero_f32x8()
+        for b in range(nb):
+            acc = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
+                          load_f32(xd, do + b), acc)
+        return sum_f32x8(acc) * load_f32(scales, n)
+    per = group // BLOCK
+    acc = zero_f32x8()
+    for g in range(ng):
+        sw = load_f32(scales, n * ng + g)
+        for c in range(per):
+            b = g * per + c
+            acc = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
+                          sw * load_f32(xd, do + b), acc)
+    return sum_f32x8(acc)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def int8_rows(isa, xq, xd, q, scales, group, out, n_lo, n_hi):  # pragma: no cover - compiled
+    """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int8 weights ``q [N, K]`` with float32 scales
+    ``[N, ng]`` (group 32, 64, 128 or per channel, K a multiple of 32)."""
+    for m in range(xq.shape[0]):
+        for n in range(n_lo, n_hi):
+            out[m, n] = _int8_row(isa, xq, xd, m, q, scales, group, n)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gemv_int4(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out):  # pragma: no cover - compiled
+    """:func:`int4_rows` over all rows, split over threads in blocks of :data:`ROWS`."""
+    n_rows = packed.shape[0]
+    for blk in prange((n_rows + ROWS - 1) // ROWS):
+        int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, blk * ROWS,
+                  min(n_rows, (blk + 1) * ROWS))
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gemv_int4_serial(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out):  # pragma: no cover
+    """:func:`gemv_int4` on the calling thread."""
+    int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, 0, packed.shape[0])
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gemv_int8(isa, xq, xd, q, scales, group, out):  # pragma: no cover - compiled
+    """:func:`int8_rows` over all rows, split over threads in blocks of :data:`ROWS`."""
+    n_rows = q.shape[0]
+    for blk in prange((n_rows + ROWS - 1) // ROWS):
+        int8_rows(isa, xq, xd, q, scales, group, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gemv_int8_serial(isa, xq, xd, q, scales, group, out):  # pragma: no cover - compiled
+    """:func:`gemv_int8` on the calling thread."""
+    int8_rows(isa, xq, xd, q, scales, group, out, 0, q.shape[0])

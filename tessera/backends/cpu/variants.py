@@ -1,0 +1,150 @@
+"""Kernel variants of the cpu backend, per op family, chosen from the CPU's instruction set.
+
+Each family lists its variants best first. A variant names the ISA features it needs (:mod:`tessera.hw.isa`); the
+first whose features are all present is chosen, so a variant that needs an instruction this CPU lacks is never
+chosen (and never compiled: LLVM would abort on it). ``TESSERA_CPU_VARIANTS`` forces choices, so that tests run every
+variant this machine can execute and a user can rule one out:
+
+``TESSERA_CPU_VARIANTS=qgemv=avx2``             one family
+``TESSERA_CPU_VARIANTS=portable``               every family's portable variant (what a baseline CPU runs)
+
+Forcing a variant whose features are missing is an error that names them. :func:`explain` is what ``tessera info``
+prints: per family, the chosen variant and why, and why each better one was passed over.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tessera.hw import isa
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One implementation of an op family.
+
+    Attributes
+    ----------
+    name : str
+        What ``TESSERA_CPU_VARIANTS`` and ``tessera info`` call it.
+    requires : frozenset of str
+        ISA features (LLVM spelling) it executes.
+    summary : str
+        One line: what it does differently.
+    """
+
+    name: str
+    requires: frozenset[str]
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """An op family and its variants, best first; the last one is portable (needs nothing)."""
+
+    name: str
+    summary: str
+    variants: tuple[Variant, ...]
+
+    def __post_init__(self) -> None:
+        if self.variants[-1].requires:
+            raise ValueError(f"family {self.name!r}: the last variant must be portable (require no feature)")
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("qgemv", "quantized matmul at decode shapes (packed int4 / int8 weights, M <= the GEMV row limit)", (
+        Variant("vnni", frozenset({"avx2", "avxvnni"}),
+                "x quantized to int8 per block of 32; u8 x s8 dot products with VPDPBUSD (AVX-VNNI, 256-bit)"),
+        Variant("vnni512", frozenset({"avx2", "avx512vnni", "avx512vl"}),
+                "as vnni, the EVEX encoding of VPDPBUSD (AVX512-VNNI machines without AVX-VNNI)"),
+        Variant("avx2", frozenset({"avx2"}),
+                "x quantized to int8 per block of 32; u8 x s8 dot products with VPMADDUBSW + VPMADDWD"),
+        Variant("portable", frozenset(),
+                "float32 x: codes widened to float32 and FMA'd (exact weight-only semantics)"),
+    )),
+    Family("simd", "vector width of the explicit-SIMD attention micro-kernels (decode, shared-prefix pass)", (
+        Variant("avx512", frozenset({"avx512f"}), "16 float32 lanes per vector (one zmm)"),
+        Variant("lanes8", frozenset(), "8 float32 lanes per vector (one ymm; LLVM splits it on narrower CPUs)"),
+    )),
+)}
+
+PORTABLE = "portable"
+
+
+def _forced() -> dict[str, str]:
+    """``TESSERA_CPU_VARIANTS`` parsed and checked: family -> variant name."""
+    raw = os.environ.get("TESSERA_CPU_VARIANTS", "").strip()
+    if not raw:
+        return {}
+    if raw == PORTABLE:
+        return {name: fam.variants[-1].name for name, fam in FAMILIES.items()}
+    forced = {}
+    for part in raw.split(","):
+        family, sep, variant = part.strip().partition("=")
+        if not sep or family not in FAMILIES:
+            raise ValueError(f"TESSERA_CPU_VARIANTS: expected 'family=variant,...' with a family of "
+                             f"{sorted(FAMILIES)} (or the single word 'portable'), got {part.strip()!r}")
+        names = [v.name for v in FAMILIES[family].variants]
+        if variant not in names:
+            raise ValueError(f"TESSERA_CPU_VARIANTS: family {family!r} has variants {names}, got {variant!r}")
+        forced[family] = variant
+    return forced
+
+
+def _pick(family: Family, forced: str | None) -> tuple[Variant, str]:
+    if forced is not None:
+        variant = next(v for v in family.variants if v.name == forced)
+        lacking = isa.missing(variant.requires)
+        if lacking:
+            raise RuntimeError(f"TESSERA_CPU_VARIANTS forces {family.name}={variant.name}, which needs {lacking}; "
+                               f"this CPU ({isa.host_cpu_name()}, TESSERA_ISA={isa.cap()}) lacks them. Choose one "
+                               f"of {available(family.name)}")
+        return variant, "forced by TESSERA_CPU_VARIANTS"
+    for variant in family.variants:
+        if not isa.missing(variant.requires):
+            why = f"needs {sorted(variant.requires)}, all present" if variant.requires else "needs nothing"
+            return variant, f"best available ({why})"
+    raise AssertionError("unreachable: the last variant is portable")
+
+
+_CHOICE: dict[tuple[str, str, str], Variant] = {}
+
+
+def reset() -> None:
+    """Forget the cached choices (after the CPU's reported features change, which only tests do)."""
+    _CHOICE.clear()
+
+
+def choose(family: str) -> Variant:
+    """The variant of ``family`` to run here (cached per environment setting; a dict lookup after the first call)."""
+    key = (family, os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""))
+    hit = _CHOICE.get(key)
+    if hit is None:
+        if family not in FAMILIES:
+            raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
+        hit = _pick(FAMILIES[family], _forced().get(family))[0]
+        _CHOICE[key] = hit
+    return hit
+
+
+def available(family: str) -> list[str]:
+    """Names of the variants of ``family`` this machine can execute, best first (what the tests iterate over)."""
+    return [v.name for v in FAMILIES[family].variants if not isa.missing(v.requires)]
+
+
+def explain() -> list[dict[str, object]]:
+    """Per family: the chosen variant, why, and why each variant ranked above it was not chosen."""
+    forced = _forced()
+    rows = []
+    for name, family in FAMILIES.items():
+        variant, why = _pick(family, forced.get(name))
+        passed = []
+        for better in family.variants:
+            if better is variant:
+                break
+            lacking = isa.missing(better.requires)
+            passed.append(f"{better.name}: lacks {lacking}" if lacking else f"{better.name}: not forced")
+        rows.append({"family": name, "chosen": variant.name, "why": why, "passed_over": passed,
+                     "summary": variant.summary, "available": available(name)})
+    return rows

@@ -1,0 +1,23 @@
+"""The command-line flags that choose how a GGUF file's quantized weights are held, shared by every subcommand that
+loads a model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_weight_flags(p: argparse.ArgumentParser) -> None:
+    """``--keep-quantized`` / ``--dequantize`` (mutually exclusive); neither: packed where the type allows."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--keep-quantized", action="store_true",
+                       help="GGUF: every quantized projection must stay packed (an error for types that cannot); "
+                            "by default Q4_0/Q4_1/Q8_0 stay packed and other types are de-quantized")
+    group.add_argument("--dequantize", action="store_true",
+                       help="GGUF: de-quantize every weight to --dtype (transformers' numerics, slower decode)")
+
+
+def keep_quantized(args: argparse.Namespace) -> bool | None:
+    """The ``keep_quantized`` argument of :func:`tessera.models.load_model` the flags ask for."""
+    if args.keep_quantized:
+        return True
+    return False if args.dequantize else None

@@ -1,0 +1,205 @@
+"""cpu kernel variants: selection from the ISA, forcing by environment, and every ``qgemv`` variant this machine can
+run against the float64 oracle of what it computes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.backends.cpu import variants
+from tessera.backends.cpu.ops import _qdot, _qdot_kernels
+from tessera.backends.reference.ops.quant import dequantize_f64, qmatmul_f64
+from tessera.hw import isa
+from tessera.kernels import quant as Q
+from tests.kernels.conftest import gen  # noqa: F401  (the seeded-generator fixture)
+from tests.kernels.tolerances import assert_close_to_oracle
+
+QGEMV = [v.name for v in variants.FAMILIES["qgemv"].variants]
+FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int4_min", 32), ("int4_min", 128), ("int8", 32),
+           ("int8", 128), ("int8", None)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    """Choices are cached per environment; tests that fake the CPU's features must not see or leave stale ones."""
+    variants.reset()
+    yield
+    variants.reset()
+
+
+def _fake_features(monkeypatch, names: set[str]) -> None:
+    monkeypatch.setattr(isa, "features", lambda: frozenset(names))
+    variants.reset()
+
+
+def _force(monkeypatch, spec: str) -> None:
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", spec)
+
+
+def _runnable(name: str):
+    lacking = isa.missing(next(v for v in variants.FAMILIES["qgemv"].variants if v.name == name).requires)
+    if lacking:
+        pytest.skip(f"this CPU lacks {lacking} for qgemv={name}")
+
+
+# ------------------------------------------------------------------------------------------------ selection
+def test_every_family_ends_portable_and_chooses_something() -> None:
+    for row in variants.explain():
+        assert row["chosen"] in row["available"]
+        assert variants.FAMILIES[row["family"]].variants[-1].requires == frozenset()
+
+
+def test_a_variant_missing_a_feature_is_never_chosen(monkeypatch) -> None:
+    _fake_features(monkeypatch, {"avx2"})
+    assert variants.choose("qgemv").name == "avx2"
+    _fake_features(monkeypatch, set())
+    assert variants.choose("qgemv").name == "portable"
+    _fake_features(monkeypatch, {"avx2", "avxvnni"})
+    assert variants.choose("qgemv").name == "vnni"
+    _fake_features(monkeypatch, {"avx2", "avx512vnni", "avx512vl"})
+    assert variants.choose("qgemv").name == "vnni512"
+    row = next(r for r in variants.explain() if r["family"] == "qgemv")
+    assert row["chosen"] == "vnni512" and row["passed_over"] == ["vnni: lacks ['avxvnni']"]
+
+
+def test_isa_cap_imitates_older_machines(monkeypatch) -> None:
+    monkeypatch.setenv("TESSERA_ISA", "baseline")
+    assert isa.features() == frozenset() and variants.choose("qgemv").name == "portable"
+    monkeypatch.setenv("TESSERA_ISA", "avx2")
+    assert isa.features() <= isa.CAPS["avx2"]
+    monkeypatch.setenv("TESSERA_ISA", "avx9")
+    with pytest.raises(ValueError, match="TESSERA_ISA must be one of"):
+        isa.features()
+
+
+def test_forcing(monkeypatch) -> None:
+    _force(monkeypatch, "portable")
+    assert all(r["chosen"] == variants.FAMILIES[r["family"]].variants[-1].name for r in variants.explain())
+    _force(monkeypatch, "qgemv=portable")
+    assert variants.choose("qgemv").name == "portable"
+    assert next(r for r in variants.explain() if r["family"] == "qgemv")["why"] == "forced by TESSERA_CPU_VARIANTS"
+    for bad, match in [("qgemv", "expected 'family=variant"), ("nope=x", "expected 'family=variant"),
+                       ("qgemv=fast", "has variants")]:
+        _force(monkeypatch, bad)
+        with pytest.raises(ValueError, match=match):
+            variants.choose("qgemv")
+    _fake_features(monkeypatch, set())
+    _force(monkeypatch, "qgemv=avx2")
+    with pytest.raises(RuntimeError, match=r"needs \['avx2'\]"):
+        variants.choose("qgemv")
+
+
+# ------------------------------------------------------------------------------------------------ the quantizer
+def test_activation_quantizer_matches_float64(gen: torch.Generator) -> None:
+    x = torch.randn(5, 160, generator=gen) * torch.rand(5, 1, generator=gen).add(0.01)
+    x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    x[2, 70] = -x[2, 64:96].abs().max() * 2  # the block's extreme is negative: code -127
+    xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+    blocks = x.double().reshape(5, 5, 32)
+    d = blocks.abs().amax(-1) / 127
+    torch.testing.assert_close(torch.from_numpy(xd).double(), d, rtol=1e-6, atol=0)
+    exact = blocks / torch.where(d > 0, d, 1).unsqueeze(-1)
+    codes = torch.from_numpy(xq).double().reshape(5, 5, 32)
+    assert bool(((codes - exact).abs() <= 0.5 + 1e-4).all())  # round to nearest (ties may go either way)
+    assert xq[2, 70] == -127 and not xq[1, 32:64].any() and xd[1, 1] == 0
+    torch.testing.assert_close(torch.from_numpy(xs).double(), (codes * d.unsqueeze(-1)).sum(-1), rtol=1e-5, atol=1e-6)
+    # the dequantized activation is within half a step of x
+    x_deq = _qdot.quantized_activation(x).double()
+    assert bool(((x_deq - x.double()).abs() <= d.repeat_interleave(32, 1) / 2 * (1 + 1e-5) + 1e-9).all())
+
+
+# ------------------------------------------------------------------------------------------------ every variant
+@pytest.mark.parametrize("variant", QGEMV)
+@pytest.mark.parametrize("fmt,group_size", FORMATS)
+@pytest.mark.parametrize("m,n", [(0, 5), (1, 1), (1, 37), (3, 37), (8, 70)])
+def test_qgemv_variant_matches_oracle(variant: str, fmt: str, group_size: int | None, m: int, n: int, monkeypatch,
+                                      gen: torch.Generator) -> None:
+    """The cpu qmatmul under each variant: int8-activation variants against the float64 product of their own
+    quantized activation (fp32 tolerance), and within the activation-quantization bound of the exact product."""
+    _runnable(variant)
+    _force(monkeypatch, f"qgemv={variant}")
+    k = 3 * (group_size or 32) + (64 if group_size is None else 0)  # odd group counts; per channel: K = 160
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
+    qw = Q.quantize(w, fmt, group_size)
+    x = torch.randn(m, k, generator=gen)
+    out = Q.qmatmul(x, qw, backend="cpu")
+    exact = qmatmul_f64(x, qw)
+    if variant == "portable":
+        assert_close_to_oracle(out, exact, torch.float32, f"{variant} {fmt}/{group_size}", reduction=True)
+        return
+    assert_close_to_oracle(out, qmatmul_f64(_qdot.quantized_activation(x), qw), torch.float32,
+                           f"{variant} {fmt}/{group_size} vs its quantized x", reduction=True)
+    # against the exact product: each x entry moved by at most half its block's step d / 2, so every output is
+    # within |W| @ (d / 2) (plus float32 rounding); a deterministic bound, not a statistical one
+    if m:
+        step = x.double().reshape(m, -1, 32).abs().amax(-1) / 127
+        bound = dequantize_f64(qw).abs() @ (step / 2).repeat_interleave(32, 1).T
+        slack = 1e-5 * (dequantize_f64(qw).abs() @ x.double().abs().T)
+        assert bool(((out.double() - exact).abs() <= (bound + slack).T).all()), f"{variant}: beyond the step bound"
+
+
+@pytest.mark.parametrize("variant", [v for v in QGEMV if v != "portable"])
+@pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
+def test_qgemv_kernels_write_every_output(variant: str, fmt: str, gen: torch.Generator) -> None:
+    """Raw kernels into a NaN-poisoned output, serial and parallel, rows not a multiple of 4 or of ROWS, long K."""
+    _runnable(variant)
+    token = _qdot._TOKENS[variant]
+    n, k = 2 * _qdot_kernels.ROWS + 3, 2048 + 32
+    qw = Q.quantize(torch.randn(n, k, generator=gen), fmt, 32)
+    x = torch.randn(2, k, generator=gen)
+    want = qmatmul_f64(_qdot.quantized_activation(x), qw)
+    for serial in (True, False):
+        got = _qdot.qmatmul(x, qw, token, serial)
+        assert not torch.isnan(got).any()
+        assert_close_to_oracle(got, want, torch.float32, f"{variant} serial={serial}", reduction=True)
+    poisoned = np.full((2, n), np.nan, np.float32)
+    xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+    if fmt == "int8":
+        _qdot_kernels.gemv_int8(token, xq, xd, *_qdot.weight_arrays(qw), poisoned)
+    else:
+        _qdot_kernels.gemv_int4(token, xq, xd, xs, *_qdot.weight_arrays(qw), poisoned)
+    assert not np.isnan(poisoned).any()
+
+
+def test_unsupported_weights_fall_back_to_float(monkeypatch, gen: torch.Generator) -> None:
+    """fp8 weights and K that is not a multiple of 32 take the float kernels under any variant."""
+    _force(monkeypatch, f"qgemv={variants.available('qgemv')[0]}")
+    for qw in (Q.quantize(torch.randn(9, 64, generator=gen), "fp8_e4m3"),
+               Q.quantize(torch.randn(9, 40, generator=gen), "int8")):
+        assert _qdot.unsupported(qw) is not None
+        x = torch.randn(2, qw.shape[1], generator=gen)
+        assert_close_to_oracle(Q.qmatmul(x, qw, backend="cpu"), qmatmul_f64(x, qw), torch.float32, qw.fmt,
+                               reduction=True)
+
+
+_CROSS_COMPILE = r"""
+import sys
+from llvmlite import binding as llvm, ir
+from tessera.backends.cpu.ops import _int8_simd as S
+
+llvm.initialize_native_target(); llvm.initialize_native_asmprinter()
+for cpu, features in [("sapphirerapids", ""), ("icelake-server", ""), ("alderlake", "")]:
+    mod = ir.Module(name="m")
+    v = ir.VectorType(ir.IntType(8), 32)
+    fn = ir.Function(mod, ir.FunctionType(S._V32x8, [v, v]), name="f")
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.ret(S._emit_dot_u8s8(b, "vnni", *fn.args))
+    target = llvm.Target.from_triple(llvm.get_process_triple())
+    tm = target.create_target_machine(cpu=cpu, features=features, opt=2)
+    asm = tm.emit_assembly(llvm.parse_assembly(str(mod)))
+    assert "vpdpbusd" in asm, (cpu, asm)
+    print(cpu, "ok")
+"""
+
+
+def test_vnni_variant_compiles_for_vnni_targets() -> None:
+    """The VNNI dot product selects ``VPDPBUSD`` for AVX-VNNI (Alder Lake), AVX512-VNNI (Ice Lake) and both
+    (Sapphire Rapids) targets: checked by compiling to assembly, on any host (run in a subprocess because an LLVM
+    selection failure aborts the process)."""
+    done = subprocess.run([sys.executable, "-c", _CROSS_COMPILE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("ok") == 3
