@@ -69,6 +69,10 @@ declare -a OPTS=(
   "LLAMA_BUILD_UI=OFF"             # no npm build of the web UI
   "LLAMA_USE_PREBUILT_UI=OFF"      # and no download of prebuilt UI assets: the server runs API-only
   "LLAMA_OPENSSL=OFF"              # no HTTPS model downloads; models are local files
+  # The tree sits inside this repository's checkout, where llama.cpp's build-info step would otherwise stamp
+  # *our* git commit into the binaries (llama-bench's build_commit); name the sdist instead.
+  "LLAMA_BUILD_COMMIT=sdist-$VERSION"
+  "LLAMA_BUILD_NUMBER=${VERSION%%.*}"
   "${ISA[@]}"
 )
 OPTS_STR="$(printf '%s;' "${OPTS[@]}")"
