@@ -136,13 +136,16 @@ def free_port() -> int:
 
 def tessera_server_cmd(model: str | Path, port: int, *, max_num_seqs: int = 8, keep_quantized: bool = False,
                        dtype: str = "float32", max_num_batched_tokens: int | None = None) -> list[str]:
-    """The ``tessera serve`` command line for ``model`` on 127.0.0.1:``port`` (this interpreter's install)."""
+    """The ``tessera serve`` command line for ``model`` on 127.0.0.1:``port`` (this interpreter's install).
+
+    ``keep_quantized`` picks ``--keep-quantized`` (packed projections) or ``--dequantize`` (every weight in
+    ``dtype``); the flag is always explicit because the loader's default keeps Q4_0/Q4_1/Q8_0 packed.
+    """
     exe = Path(sys.executable).parent / "tessera"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tessera.cli"]
     cmd += ["serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
-    if keep_quantized:
-        cmd.append("--keep-quantized")
+            "--max-num-seqs", str(max_num_seqs), "--log-level", "warning",
+            "--keep-quantized" if keep_quantized else "--dequantize"]
     if max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     return cmd
