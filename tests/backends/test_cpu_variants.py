@@ -203,3 +203,18 @@ def test_vnni_variant_compiles_for_vnni_targets() -> None:
     done = subprocess.run([sys.executable, "-c", _CROSS_COMPILE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("ok") == 3
+
+
+def test_a_variant_failing_its_self_check_is_replaced(monkeypatch) -> None:
+    """A variant whose kernels disagree with the float64 oracle on first use is dropped for the next one, with a
+    warning (the VNNI kernels cannot be run on CPUs without VNNI, so this guards machines nobody tested on)."""
+    best = variants.available("qgemv")[0]
+    if _qdot._TOKENS[best] is None:
+        pytest.skip("no int8-activation variant on this CPU")
+    assert _qdot.self_check(_qdot._TOKENS[best]) is None
+    monkeypatch.setattr(_qdot, "_CHECKED", {})
+    monkeypatch.setattr(_qdot, "_CHOSEN", {})
+    monkeypatch.setattr(_qdot, "self_check", lambda isa: "simulated mismatch")
+    with pytest.warns(RuntimeWarning, match="failed its self-check"):
+        token = _qdot.chosen_token()
+    assert token is None  # every int8 variant "failed": the portable float kernels run

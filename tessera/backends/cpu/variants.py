@@ -111,9 +111,15 @@ def _pick(family: Family, forced: str | None) -> tuple[Variant, str]:
 _CHOICE: dict[tuple[str, str, str], Variant] = {}
 
 
+#: bumped by :func:`reset`, so caches built on the choices (``ops._qdot``) know to rebuild
+generation = 0
+
+
 def reset() -> None:
     """Forget the cached choices (after the CPU's reported features change, which only tests do)."""
+    global generation
     _CHOICE.clear()
+    generation += 1
 
 
 def choose(family: str) -> Variant:

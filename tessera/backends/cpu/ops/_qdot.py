@@ -3,6 +3,9 @@ the chosen ``qgemv`` variant runs, and the call itself."""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 import torch
 
@@ -15,9 +18,62 @@ from tessera.kernels.quant import QuantizedWeight
 _TOKENS: dict[str, IsaToken | None] = {"vnni": VNNI, "vnni512": VNNI, "avx2": AVX2, "portable": None}
 
 
+#: variant name -> whether its kernels passed :func:`self_check` in this process
+_CHECKED: dict[str, bool] = {}
+_CHOSEN: dict[tuple, IsaToken | None] = {}
+
+
 def chosen_token() -> IsaToken | None:
-    """The ISA token of the ``qgemv`` variant chosen here, or None when the portable variant runs."""
-    return _TOKENS[variants.choose("qgemv").name]
+    """The ISA token of the ``qgemv`` variant chosen here, or None when the portable variant runs.
+
+    A variant is used only after it passed :func:`self_check` once in the process: the VNNI variants are compiled only
+    on CPUs that have the instruction, so a machine without it cannot test them, and a wrong result there would
+    otherwise go unnoticed. A variant that fails is replaced by the next one this CPU runs, with a warning.
+    """
+    key = (os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""), variants.generation,
+           id(_CHECKED))
+    if key in _CHOSEN:  # the hot path: a dict lookup (qmatmul asks on every call)
+        return _CHOSEN[key]
+    names = variants.available("qgemv")
+    name = variants.choose("qgemv").name
+    while _TOKENS[name] is not None and not _passes(name):
+        later = names[names.index(name) + 1:] if name in names else []
+        name = later[0] if later else "portable"
+    _CHOSEN[key] = _TOKENS[name]
+    return _TOKENS[name]
+
+
+def _passes(name: str) -> bool:
+    ok = _CHECKED.get(name)
+    if ok is None:
+        error = self_check(_TOKENS[name])
+        ok = _CHECKED[name] = error is None
+        if not ok:
+            warnings.warn(f"qgemv variant {name!r} failed its self-check ({error}); falling back to the next "
+                          "variant this CPU runs. Please report this with the output of `tessera info`.",
+                          RuntimeWarning, stacklevel=3)
+    return ok
+
+
+def self_check(isa: IsaToken) -> str | None:
+    """Run the int8 kernels of ``isa`` on small random int4 / int4_min / int8 weights (group 32 and 128, serial and
+    parallel) against the float64 product of the same quantized activation; None when all agree to fp32 rounding,
+    else what differed. ~0.1 s after compilation."""
+    from tessera.backends.reference.ops.quant import qmatmul_f64
+    from tessera.kernels.quant import quantize
+
+    gen = torch.Generator().manual_seed(20261201)
+    x = torch.randn(3, 256, generator=gen)
+    x_deq = quantized_activation(x)
+    for fmt, group in (("int4", 32), ("int4_min", 32), ("int4", 128), ("int8", 32)):
+        qw = quantize(torch.randn(21, 256, generator=gen), fmt, group)
+        want = qmatmul_f64(x_deq, qw)
+        for serial in (True, False):
+            got = qmatmul(x, qw, isa, serial).double()
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+            if not err <= 1e-5:  # also catches NaN
+                return f"{fmt}/g{group} serial={serial}: relative error {err:.3g}"
+    return None
 
 
 def unsupported(qw: QuantizedWeight) -> str | None:
