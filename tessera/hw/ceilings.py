@@ -12,7 +12,6 @@ import datetime
 import json
 import math
 import os
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -21,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from tessera._atomic import write_text_atomic
 from tessera.hw import probes
 
 #: Bump when the meaning of a field or the measuring method changes; older cache files are then re-measured.
@@ -218,15 +218,7 @@ def _write_entry(path: Path, ceilings: Ceilings) -> None:
             machines = {}
         machines[ceilings.key] = ceilings.to_dict()
         text = json.dumps({"schema": SCHEMA, "machines": machines}, indent=2, sort_keys=True) + "\n"
-        # Write then rename, so a reader never sees half a file.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ceilings-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_text_atomic(path, text)  # a reader never sees half a file
     except OSError as err:
         warnings.warn(
             f"could not cache the measured ceilings at {path} ({err}); they will be measured again next time. "

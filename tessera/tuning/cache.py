@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from tessera._atomic import write_text_atomic
 
 #: Bump when the meaning of a stored field changes; files of another schema are ignored (and overwritten by tune).
 SCHEMA = 1
@@ -88,15 +89,7 @@ def save(path: Path, fingerprint: dict[str, Any], entries: Entries) -> bool:
     text = json.dumps({"schema": SCHEMA, "fingerprint": fingerprint, "entries": entries}, indent=2,
                       sort_keys=True) + "\n"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_text_atomic(path, text)
     except OSError as err:
         warnings.warn(f"could not write the tuning cache {path} ({err}); the tuned values apply to this process "
                       "only. Set TESSERA_CACHE_DIR to a writable directory to keep them", RuntimeWarning,
