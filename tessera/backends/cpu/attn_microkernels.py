@@ -12,7 +12,7 @@ Each micro-kernel also walks a *prefetch cursor* (:func:`prefetch_run`): it hint
 phase reads into the caches, a few lines per step of its own loop, in address order. Where the hints go is the
 caller's choice (``decode_kernel.py``: V of the keys being scored, then K of the next chunk); spreading them evenly
 over the compute, and in address order, is what lets a core stream at the machine's read bandwidth (see
-``docs/performance.md``, "Sixth session").
+``docs/performance.md``, "Read order and prefetch").
 
 Offsets are flat element offsets into C-contiguous arrays: ``q_off`` of a query row in ``qrows [rows, D]``,
 ``k_off`` / ``v_off`` of a key's head vector in ``k`` / ``v [rows, Hkv, D]`` (so ``(row * Hkv + hk) * D``). ``D`` is a

@@ -15,7 +15,7 @@ while the P.V pass reads V, it hints the next chunk's K rows. The hints walk the
 spread evenly over the compute, a few lines per step. Both matter: the micro-kernels read 4 token rows at a time in
 64-byte pieces, an order in which the hardware prefetchers fetch at a third of the streaming rate, and the same
 hints issued in bursts, or in the micro-kernels' own order, gained far less (measured in ``docs/performance.md``,
-"Sixth session"). Other head dims run the scalar :func:`_decode_item`.
+"Read order and prefetch"). Other head dims run the scalar :func:`_decode_item`.
 
 Lengths are run-time values, so new lengths never recompile; a kernel is compiled once per storage dtype (float32;
 bf16 and fp16 arrive as 16-bit integer views and are widened by bit operations) and cached on disk.
