@@ -11,15 +11,16 @@ step in Python between kernels; see docs/engine.md for the numbers after fusion.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
 from tessera import kernels as K
 from tessera.backends.cpu import variants
-from tessera.backends.cpu.decode_layer import decoder_layer_kernel
+from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
-from tessera.backends.cpu.ops.quant import SERIAL_WORK, SMALL_M
+from tessera.backends.cpu.ops.quant import SMALL_M
 from tessera.kernels.quant import QuantizedWeight
 from tessera.models.config import ModelConfig
 from tessera.models.layers import norm
@@ -28,6 +29,7 @@ from tessera.tuning import tuned
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _VIEWS_ATTR = "_fused_decode_views"
+_KV_ATTR = "_fused_decode_kv_rows"
 
 
 def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
@@ -47,8 +49,11 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
         if isinstance(t, QuantizedWeight):
             if name.rsplit(".", 2)[-2] not in _PROJECTIONS or t.device.type != "cpu":
                 return f"weight {name} is a packed {t.fmt} {t.device.type} weight outside the four projections"
-            if qdot.chosen_token() is not None and qdot.unsupported(t) is None:
-                continue  # the int8-activation rows take it
+            if qdot.chosen_token() is not None:  # one variant runs every packed projection of the layer
+                reason = qdot.unsupported(t)
+                if reason is not None:
+                    return f"weight {name}: the int8-activation qgemv kernels cannot take it ({reason})"
+                continue
             if t.fmt not in ("int4", "int4_min"):
                 return (f"weight {name} is {t.fmt}: the fused kernel takes float and int4 / int4_min projections "
                         "(and int8 ones with an int8-activation qgemv variant)")
@@ -60,20 +65,17 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
 
 
 def _weight_view(w):
-    """A projection as the kernel takes it: a float storage array, or a packed weight tuple (led by the ISA token of
-    the int8-activation ``qgemv`` variant when one is chosen and takes the weight)."""
+    """A projection as the kernel takes it: a float storage array, or a packed weight's arrays
+    (:func:`tessera.backends.cpu.ops._qdot.weight_arrays`)."""
     if isinstance(w, QuantizedWeight):
-        isa = qdot.chosen_token()
-        if isa is not None and qdot.unsupported(w) is None:
-            return (isa, *qdot.weight_arrays(w))
-        offsets = w.mins if w.fmt == "int4_min" else w.zeros
-        return (w.data.numpy(), w.scales.numpy(), offsets.numpy(), w.group_size, w.fmt == "int4_min")
+        return qdot.weight_arrays(w)
     return storage_view(w.detach())
 
 
-def _layer_views(model) -> tuple[list[tuple], int] | None:
-    """Per layer, the kernel's weight arguments as NumPy storage views, and the multiply-adds of the biggest
-    projection at one row of x; None when the model cannot be fused. Built on the first decode step and kept on the
+def _layer_views(model) -> tuple[list[tuple], int, object] | None:
+    """Per layer, the kernel's weight arguments as NumPy storage views; the multiply-adds of the biggest projection
+    at one row of x; and the ISA token of the ``qgemv`` variant for the packed projections (None: portable). None
+    when the model cannot be fused. Built on the first decode step and kept on the
     model (replacing weights after that step needs a fresh model)."""
     variant = variants.choose("qgemv").name  # the views embed the variant: a forced change rebuilds them
     cached = getattr(model, _VIEWS_ATTR, None)
@@ -106,9 +108,31 @@ def _layer_views(model) -> tuple[list[tuple], int] | None:
         largest = max(int(t.shape[0]) * int(t.shape[1]) for name, t in w.items()
                       if name.startswith("layers.") and name.endswith(".weight")
                       and name.rsplit(".", 2)[-2] in _PROJECTIONS)
-        views = (views, largest)
+        views = (views, largest, qdot.chosen_token())
     object.__setattr__(model, _VIEWS_ATTR, (variant, views))
     return views
+
+
+def _kv_rows(cache, config: ModelConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, the cache's K and V pages as the kernel's storage rows ``[rows, Hkv, D]``: built once per cache
+    instead of two tensor views per layer and step, and rebuilt if its page tensors were replaced."""
+    cached = getattr(cache, _KV_ATTR, None)
+    if cached is not None and all(a is b for a, b in zip(cached[0], cache.k_pages)) and \
+            all(a is b for a, b in zip(cached[1], cache.v_pages)):
+        return cached[2]
+    rows = (-1, config.num_kv_heads, config.head_dim)
+    views = [(storage_view(k.view(rows)), storage_view(v.view(rows))) for k, v in zip(cache.k_pages, cache.v_pages)]
+    setattr(cache, _KV_ATTR, (list(cache.k_pages), list(cache.v_pages), views))
+    return views
+
+
+def _workers(work: int) -> int:
+    """Workers for a step whose biggest GEMV is ``work`` multiply-adds: all of Numba's threads, unless the step is so
+    small that waking them costs more than they save (``fused_parallel_work``, measured by ``tessera tune``)."""
+    threads = numba.get_num_threads()
+    if threads <= 1 or work < tuned("fused_parallel_work", None, PARALLEL_WORK):
+        return 1
+    return threads
 
 
 def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_for) -> torch.Tensor | None:
@@ -124,9 +148,10 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     if min(step.q_lens) != 1 or not ropes:
         return None
     prepared = _layer_views(model)
-    if prepared is None or t_count * prepared[1] >= tuned("gemv_serial_work", None, SERIAL_WORK):
-        return None  # the kernel is serial; bigger GEMVs run faster over all cores in the per-op path
-    views = prepared[0]
+    if prepared is None:
+        return None
+    views, largest, isa = prepared
+    n_workers = _workers(t_count * largest)
     states = {}
     for i in range(config.num_layers):
         key = config.layer_windows[i]
@@ -147,14 +172,11 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     h, x = h.contiguous(), x.contiguous().clone()  # both are updated in place, layer by layer
     xs, hs = storage_view(x), storage_view(h)
     pos = positions.to(torch.int64).numpy()
-    w_offset = 1.0 if config.norm == "rms_gemma" else 0.0
-    act = _ACT_KINDS[config.activation]
-    rows = (-1, config.num_kv_heads, config.head_dim)
+    common = (1.0 if config.norm == "rms_gemma" else 0.0, config.norm_eps, _ACT_KINDS[config.activation],
+              config.num_heads, pos)
+    tables = {name: (rope.cos.numpy(), rope.sin.numpy()) for name, rope in ropes.items()}
+    kv_rows = _kv_rows(cache, config)
     for i in range(config.num_layers):
-        rope = ropes[config.layer_rope[i]]
-        decoder_layer_kernel(
-            xs, hs, *views[i], w_offset, config.norm_eps, act, config.num_heads, pos, rope.cos.numpy(),
-            rope.sin.numpy(), storage_view(cache.k_pages[i].view(rows)), storage_view(cache.v_pages[i].view(rows)),
-            slots, *states[config.layer_windows[i]],
-        )
+        decoder_layer_kernel(xs, hs, *views[i], *common, *tables[config.layer_rope[i]], *kv_rows[i], slots,
+                             *states[config.layer_windows[i]], isa, n_workers)
     return h

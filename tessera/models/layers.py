@@ -10,6 +10,7 @@ into the next RMSNorm (``rms_norm(..., residual=...)``), rounding the sum to the
 from __future__ import annotations
 
 import math
+import weakref
 from functools import lru_cache
 
 import torch
@@ -107,12 +108,29 @@ def mlp_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, backend:
     return linear(act, w[f"{p}.down.weight"], w.get(f"{p}.down.bias"), backend)
 
 
+#: config -> (rows, name -> RotaryEmbedding): the base tables, built once per power-of-two length
+_ROPE_BASE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def rope_tables(config: ModelConfig, seq_len: int) -> dict:
-    """One RotaryEmbedding per distinct rope config, sized for ``seq_len`` (dynamic scaling grows with it)."""
+    """One RotaryEmbedding per distinct rope config, valid for positions below ``seq_len`` (dynamic scaling grows
+    with it).
+
+    The base tables are cached per config with a power-of-two row count (at least 256): a row's angles do not depend
+    on the table's length, so a longer table gives the same rows, and a decode step no longer recomputes
+    ``seq_len x rotary_dim`` cosines and sines. :meth:`RotaryEmbedding.for_length` still
+    derives the length-dependent (dynamic, longrope) tables exactly for ``seq_len``.
+    """
     if config.learned_positions:
         return {}
-    return {name: K.RotaryEmbedding.from_hf_config(cfg, max_position=max(seq_len, 1)).for_length(max(seq_len, 1))
-            for name, cfg in config.rope_configs.items()}
+    seq_len = max(seq_len, 1)
+    cached = _ROPE_BASE.get(config)
+    if cached is None or cached[0] < seq_len:
+        rows = max(256, 1 << (seq_len - 1).bit_length())
+        cached = (rows, {name: K.RotaryEmbedding.from_hf_config(cfg, max_position=rows)
+                         for name, cfg in config.rope_configs.items()})
+        _ROPE_BASE[config] = cached
+    return {name: rope.for_length(seq_len) for name, rope in cached[1].items()}
 
 
 def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, backend: str = "auto",

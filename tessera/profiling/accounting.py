@@ -193,9 +193,9 @@ def _fused_layer_cost(*args: Any) -> roofline.Cost:
 
 
 def _weight_params_bytes(w: Any) -> tuple[int, int]:
-    """(parameters, bytes) of a fused-layer projection: a float array, or an int4 tuple ``(packed [N, K/2], scales,
-    offsets, group, has_min)`` whose bytes are the packed codes plus the per-group scales and offsets."""
-    if isinstance(w, tuple):  # packed: (codes, scales, offsets, ...), led by an ISA token for the int8 kernels
+    """(parameters, bytes) of a fused-layer projection: a float array, or a packed tuple ``(packed [N, K/2], scales,
+    offsets, has_min, group)`` / ``(q [N, K], scales, group)`` whose bytes are the packed codes plus the per-group scales and offsets."""
+    if isinstance(w, tuple):  # packed: (codes, scales, offsets, has_min, group) or (codes, scales, group)
         arrays = [a for a in w if hasattr(a, "nbytes") and hasattr(a, "dtype")]
         codes = arrays[0]
         per_byte = 2 if codes.dtype.kind == "u" else 1  # uint8 holds two int4 codes, int8 one

@@ -9,6 +9,8 @@ tunable                       what it decides                                   
 ``gemv_serial_work``          multiply-adds (M * N * K) below which the float GEMV stays on the    ops/quant.py
                               calling thread
 ``decode_serial_max_bytes``   K+V bytes (as float32) below which a decode step runs serially      decode.py
+``fused_parallel_work``       multiply-adds of a step's biggest GEMV from which the fused decode   decode_layer
+                              layer runs over all threads (:mod:`.cpu_fused_layer`)
 ============================  ==================================================================  ============
 
 Each default is the module constant the code used before (measured on one 2-core AMD EPYC). The measurements use
@@ -37,7 +39,7 @@ from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import quant
 from tessera.bench.harness import copies_for, rotating
 from tessera.kernels.quant import FORMATS, QuantizedWeight
-from tessera.tuning import search
+from tessera.tuning import cpu_fused_layer, search
 from tessera.tuning.fingerprint import fingerprint
 from tessera.tuning.registry import Crossover, Tunable, overriding, register
 
@@ -274,12 +276,14 @@ def _register_all() -> None:
         crossover=Crossover(_decode_path(True), _decode_path(False), inclusive=False, unit="bytes",
                             names=("serial", "split-KV parallel")),
     ), replace=True)
+    cpu_fused_layer.register_all()
 
 
 def release_inputs() -> None:
     """Free the measurement inputs (a few hundred MB while a run of ``tessera tune`` holds them)."""
     for fn in (_quant_inputs, _float_inputs, _decode_inputs):
         fn.cache_clear()
+    cpu_fused_layer.release_inputs()
 
 
 def quant_classes(w: Workload | None) -> dict[str, Sequence[str]]:

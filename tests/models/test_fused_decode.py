@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numba
 import pytest
 import torch
 import transformers
 
+import tessera.models.fused_decode as fused_decode
 import tessera.models.paged as paged
 from tessera.backends.cpu import decode as cpu_decode
 from tessera.backends.cpu import variants
@@ -60,9 +62,17 @@ def fused_calls(monkeypatch):
     return taken
 
 
+@pytest.fixture(params=[1, 2], ids=["serial", "parallel"])
+def workers(request, monkeypatch):
+    """Run the fused layer on the calling thread, or as two workers sharing each layer in one parallel region (the
+    tiny test models are far below the size where it would choose that itself)."""
+    monkeypatch.setattr(fused_decode, "_workers", lambda work: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_fused_decode_equals_per_op_path(name, dtype, tmp_path, fused_calls):
+def test_fused_decode_equals_per_op_path(name, dtype, tmp_path, fused_calls, workers):
     model = _model(name, tmp_path, dtype)
     gen = torch.Generator().manual_seed(5)
     seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((11, 3, 7))}
@@ -110,7 +120,7 @@ def test_unsupported_families_name_the_reason(name, tmp_path):
 
 @pytest.mark.parametrize("variant", variants.available("qgemv"))
 @pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
-def test_fused_decode_with_int4_projections(fmt, variant, tmp_path, fused_calls, monkeypatch):
+def test_fused_decode_with_int4_projections(fmt, variant, tmp_path, fused_calls, monkeypatch, workers):
     """Packed projections (as a GGUF Q4_0 / Q4_1 / Q8_0 model keeps them) run through the fused kernel too, under
     every ``qgemv`` variant this CPU runs; int8 needs an int8-activation variant (the portable one declines it)."""
     from tessera.kernels import quantize
@@ -138,3 +148,24 @@ def test_fused_decode_with_int4_projections(fmt, variant, tmp_path, fused_calls,
         torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)  # x's group sums: another summation order
         seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
     assert fused_calls == [fmt != "int8" or variant != "portable"] * 3
+
+
+def test_parallel_layer_finishes_on_a_pool_of_one(tmp_path, monkeypatch):
+    """Workers claim their work, so a parallel region that a one-thread pool runs iteration by iteration still
+    finishes (a barrier waiting for a fixed number of workers would hang here), with the same result."""
+    model = _model("llama", tmp_path)
+    tokens = torch.randint(0, 211, (6,), generator=torch.Generator().manual_seed(8)).tolist()
+    table = {0: [3, 0, 5]}
+    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step({0: tokens}, {0: 6}, table), fused=False)
+    step = _step({0: tokens + [9]}, {0: 1}, table)
+    per_op = forward_step(model, caches[1], step, fused=False)
+    monkeypatch.setattr(fused_decode, "_workers", lambda work: 3)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        fused = forward_step(model, caches[0], step)
+    finally:
+        numba.set_num_threads(threads)
+    torch.testing.assert_close(fused, per_op, **TOL[model.dtype])

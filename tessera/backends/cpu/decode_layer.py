@@ -1,4 +1,4 @@
-"""One whole decoder layer for a small decode step, as a single serial Numba call.
+"""One whole decoder layer for a small decode step, as a single Numba call on one or all cores.
 
 At batch 1 a SmolLM2-135M token spends ~12 ms streaming weights through four GEMVs per layer, and, before this
 kernel, another ~8 ms in the Python around them: about fifteen op calls per layer, each a few layers of Python,
@@ -8,22 +8,33 @@ RoPE rows, gated activation chunks, the paged decode item), so its results equal
 the Python between them is gone. Intermediates are rounded to the model's storage dtype exactly where the per-op path
 stores a tensor (a GEMV result, a bias add, a norm, RoPE, the attention output).
 
-It runs on the calling thread, so :mod:`tessera.models.fused_decode` uses it only when every GEMV of the step is
-below the cpu GEMV's serial threshold and the attention plan is a serial, direct decode plan (short contexts, few
-sequences): exactly when the per-op path would run every kernel serially too.
+The layer is nine phases: four GEMVs, whose output rows are split into chunks of :data:`CLAIM_ROWS`, and the small
+serial steps between them (input quantization, the attention block, residuals and norms, the gated activation).
+With ``n_workers > 1`` the phases run inside *one* parallel region: every worker claims chunks from an atomic
+counter per phase and waits until the phase's chunks are all done before the next phase
+(:mod:`tessera.backends.cpu.atomics`). One region per layer, not one per GEMV, because waking the pool costs ~20 us
+under the passive OpenMP wait policy, as much as a small GEMV. Claiming, not fixed shares, means a worker that starts
+late (or never: a pool of one runs the iterations in turn) only finds less work; nothing waits for a worker that has
+not claimed anything, so the kernel cannot deadlock whatever the thread count. A row's result does not depend on which
+worker computed it, so the output is the same for every ``n_workers``.
+
+:mod:`tessera.models.fused_decode` calls it when the attention plan is a serial, direct decode plan (short contexts,
+few sequences) and chooses ``n_workers`` from the step's work.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.core.extending import overload
 
+from tessera.backends.cpu import atomics
 from tessera.backends.cpu.decode_kernel import decode_item
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
 from tessera.backends.cpu.ops._int8_simd import IsaTokenType
-from tessera.backends.cpu.ops._qdot_kernels import int4_rows, int8_rows, quantize_rows
+from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_rows, int8_rows, quantize_row
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
@@ -31,94 +42,209 @@ from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
 from tessera.backends.cpu.ops.rope import _rotate_item
 
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _widened(x):  # pragma: no cover - compiled
-    """float32 copy of a 2-D storage array (what ``x.float()`` gives the GEMV)."""
-    out = np.empty(x.shape, dtype=np.float32)
-    for i in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            out[i, j] = widen(x[i, j])
-    return out
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _finish(acc, b, like):  # pragma: no cover - compiled
-    """A GEMV's float32 result rounded to ``like``'s storage type, then the bias added and rounded again (torch's
-    ``out + bias`` in the model dtype)."""
-    out = np.empty(acc.shape, dtype=like.dtype)
-    has_bias = b.shape[0] > 0
-    for i in range(acc.shape[0]):
-        for j in range(acc.shape[1]):
-            v = narrow(acc[i, j], like)
-            if has_bias:
-                v = narrow(widen(v) + widen(b[j]), like)
-            out[i, j] = v
-    return out
+#: output rows per claimed GEMV chunk when several workers share a layer (a multiple of the row kernels' 4-row
+#: blocks): each claim costs ~0.3 us (a call, an atomic, the row kernel's setup), so 128 rows (~5 us of SmolLM2's
+#: gate/up) keep that near 5% while the last chunk leaves a worker idle for at most ~5 us
+CLAIM_ROWS = 128
+#: multiply-adds of a step's biggest GEMV from which the layer runs over all threads: the default of the
+#: ``fused_parallel_work`` tunable (:mod:`tessera.tuning.cpu_fused_layer` measures it)
+PARALLEL_WORK = 1 << 18
+_PHASES = 9
 
 
-def _project(x, w, b, like):  # pragma: no cover - replaced by the overload inside jitted code
+def _kind(w, isa):
+    """Which row kernel a projection runs: 0 float, 1 int8-activation (int4 or int8 weight), 2 portable int4."""
+    if isinstance(w, types.Array):
+        return 0
+    if not isinstance(w, types.BaseTuple) or len(w.types) not in (3, 5):
+        raise TypingError(f"decoder layer: expected a float array or a packed weight tuple of 3 or 5 items, got {w}")
+    if isinstance(isa, IsaTokenType):
+        return 1
+    if len(w.types) == 3:
+        raise TypingError("decoder layer: int8 weights need an int8-activation qgemv variant (isa is None)")
+    return 2
+
+
+def _new_input(x, w, isa):  # pragma: no cover - replaced by the overload inside jitted code
     raise NotImplementedError
 
 
-@overload(_project)
-def _project_overload(x, w, b, like):
-    """``x @ w.T (+ b)`` for storage ``x [T, K]``: ``w`` is a float storage array ``[N, K]`` (the float GEMV's rows),
-    or an int4 weight as the tuple ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], g, has_min)``
-    (the int4 GEMV's rows, with x split into low/high-nibble halves and group sums exactly as the host side does),
-    or, for the int8-activation ``qgemv`` variants, a tuple led by the variant's ISA token:
-    ``(isa, packed, scales, offsets, has_min, g)`` (int4 / int4_min) or ``(isa, q int8 [N, K], scales, g)`` (int8),
-    run by the same row kernels as the per-op path (:mod:`.ops._qdot_kernels`)."""
-    if isinstance(w, types.Array):
-        def float_weight(x, w, b, like):
-            xf = _widened(x)
-            acc = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-            _gemv_rows(xf, w, acc, 0, w.shape[0])
-            return _finish(acc, b, like)
-        return float_weight
-    if isinstance(w, types.BaseTuple) and isinstance(w.types[0], IsaTokenType):
-        if len(w.types) == 6:
-            def int4_int8_activation(x, w, b, like):
-                isa, packed, scales, offsets, has_min, group = w
-                xq, xd, xs = quantize_rows(x)
-                acc = np.empty((x.shape[0], packed.shape[0]), dtype=np.float32)
-                int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, 0, packed.shape[0])
-                return _finish(acc, b, like)
-            return int4_int8_activation
-
-        def int8_int8_activation(x, w, b, like):
-            isa, q, scales, group = w
-            xq, xd, _ = quantize_rows(x)
-            acc = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
-            int8_rows(isa, xq, xd, q, scales, group, acc, 0, q.shape[0])
-            return _finish(acc, b, like)
-        return int8_int8_activation
-    if isinstance(w, types.BaseTuple):
-        def int4_weight(x, w, b, like):
-            packed, scales, offsets, group, has_min = w
+@overload(_new_input)
+def _new_input_overload(x, w, isa):
+    """Buffers for a projection's prepared input ``x [T, K]``: ``(xf, -, -)`` float32 for a float weight,
+    ``(xq, xd, xs)`` (int8 codes, block scales, block sums) for the int8-activation kernels, ``(xlo, xhi, xsum)`` for
+    the portable int4 kernel. Always three arrays (unused ones empty), so the parallel region can take them apart."""
+    kind = _kind(w, isa)
+    if kind == 0:
+        return lambda x, w, isa: (np.empty(x.shape, dtype=np.float32), np.empty((0, 0), dtype=np.float32),
+                                  np.empty((0, 0), dtype=np.float32))
+    if kind == 1:
+        def int8_activation(x, w, isa):
             t_count, k = x.shape
-            half = group // 2
-            xlo = np.empty((t_count, k // 2), dtype=np.float32)
-            xhi = np.empty((t_count, k // 2), dtype=np.float32)
-            xsum = np.zeros((t_count, k // group), dtype=np.float32)
-            for m in range(t_count):
-                for g in range(k // group):
-                    for j in range(half):
-                        lo_v = widen(x[m, g * group + j])
-                        hi_v = widen(x[m, g * group + half + j])
-                        xlo[m, g * half + j] = lo_v
-                        xhi[m, g * half + j] = hi_v
-                    total = np.float32(0.0)
-                    for j in range(group):
-                        total += widen(x[m, g * group + j])
-                    xsum[m, g] = total
-            acc = np.empty((t_count, packed.shape[0]), dtype=np.float32)
-            wlo = np.empty(k // 2, dtype=np.float32)
-            whi = np.empty(k // 2, dtype=np.float32)
-            _int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, acc, 0, packed.shape[0], wlo, whi)
-            return _finish(acc, b, like)
-        return int4_weight
-    return None
+            return (np.empty((t_count, k), dtype=np.int8), np.empty((t_count, k // BLOCK), dtype=np.float32),
+                    np.empty((t_count, k // BLOCK), dtype=np.float32))
+        return int8_activation
+
+    def portable_int4(x, w, isa):
+        t_count, k = x.shape
+        group = w[4]
+        return (np.empty((t_count, k // 2), dtype=np.float32), np.empty((t_count, k // 2), dtype=np.float32),
+                np.empty((t_count, k // group), dtype=np.float32))
+    return portable_int4
+
+
+def _fill_input(x, w, isa, inp):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_fill_input)
+def _fill_input_overload(x, w, isa, inp):
+    """Prepare storage ``x [T, K]`` for a projection, as the per-op path does before its GEMV: widened to float32
+    (``x.float()``), quantized to int8 per block of 32, or split into the low/high-nibble halves and group sums of the
+    portable int4 kernel."""
+    kind = _kind(w, isa)
+    if kind == 0:
+        def widened(x, w, isa, inp):
+            xf = inp[0]
+            for i in range(x.shape[0]):
+                for j in range(x.shape[1]):
+                    xf[i, j] = widen(x[i, j])
+        return widened
+    if kind == 1:
+        def quantized(x, w, isa, inp):
+            xq, xd, xs = inp
+            for m in range(x.shape[0]):
+                quantize_row(x, m, xq, xd, xs)
+        return quantized
+
+    def nibble_halves(x, w, isa, inp):
+        xlo, xhi, xsum = inp
+        group = w[4]
+        t_count, k = x.shape
+        half = group // 2
+        for m in range(t_count):
+            for g in range(k // group):
+                for j in range(half):
+                    xlo[m, g * half + j] = widen(x[m, g * group + j])
+                    xhi[m, g * half + j] = widen(x[m, g * group + half + j])
+                total = np.float32(0.0)
+                for j in range(group):
+                    total += widen(x[m, g * group + j])
+                xsum[m, g] = total
+    return nibble_halves
+
+
+def _project_rows(inp, w, b, acc, out, isa, lo, hi):  # pragma: no cover - replaced by the overload
+    raise NotImplementedError
+
+
+@overload(_project_rows)
+def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
+    """Columns ``lo .. hi - 1`` of ``out = x @ w.T (+ b)`` from the prepared input: ``w`` is a float storage array
+    ``[N, K]`` or a packed weight as :func:`tessera.backends.cpu.ops._qdot.weight_arrays` gives it,
+    ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], has_min, g)`` for int4 / int4_min or
+    ``(q int8 [N, K], scales, g)`` for int8. ``acc`` float32 ``[T, N]`` holds the GEMV result before
+    :func:`_finish_rows` rounds it into ``out``."""
+    kind = _kind(w, isa)
+    if kind == 0:
+        def float_rows(inp, w, b, acc, out, isa, lo, hi):
+            _float_rows(inp[0], w, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return float_rows
+    if kind == 1 and len(w.types) == 5:
+        def int4_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            packed, scales, offsets, has_min, group = w
+            _int4_act_rows(isa, inp[0], inp[1], inp[2], packed, scales, offsets, has_min, group, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return int4_int8_activation_rows
+    if kind == 1:
+        def int8_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            q, scales, group = w
+            _int8_act_rows(isa, inp[0], inp[1], q, scales, group, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return int8_int8_activation_rows
+
+    def portable_int4_rows(inp, w, b, acc, out, isa, lo, hi):
+        packed, scales, offsets, has_min, group = w
+        _portable_int4_rows(inp[0], inp[1], inp[2], packed, scales, offsets, has_min, group, acc, lo, hi)
+        _finish_rows(acc, b, out, lo, hi)
+    return portable_int4_rows
+
+
+# The row kernels proper are called, not inlined: each compiles once per weight type and is shared by every layer
+# specialization (inlining them into the layer made its compile several minutes long), and called with plain array
+# arguments LLVM keeps their loads in registers, which it did not always do for arrays unpacked from tuples.
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _float_rows(xf, w, acc, lo, hi):  # pragma: no cover - compiled
+    _gemv_rows(xf, w, acc, lo, hi)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _int4_act_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, lo, hi):  # pragma: no cover
+    int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, lo, hi)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _int8_act_rows(isa, xq, xd, q, scales, group, acc, lo, hi):  # pragma: no cover - compiled
+    int8_rows(isa, xq, xd, q, scales, group, acc, lo, hi)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _portable_int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, acc, lo, hi):  # pragma: no cover
+    half_k = xlo.shape[1]
+    wlo = np.empty(half_k, dtype=np.float32)
+    whi = np.empty(half_k, dtype=np.float32)
+    _int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, acc, lo, hi, wlo, whi)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _finish_rows(acc, b, out, lo, hi):  # pragma: no cover - compiled
+    """Columns ``lo .. hi - 1`` of a GEMV's float32 result rounded to ``out``'s storage type, then the bias added
+    and rounded again (torch's ``out + bias`` in the model dtype). Slices indexed from 0, so the loops vectorize
+    (see ``activations._act_and_mul_item``)."""
+    has_bias = b.shape[0] > 0
+    bias = b[lo:hi] if has_bias else b
+    for i in range(acc.shape[0]):
+        src, dst = acc[i, lo:hi], out[i, lo:hi]
+        if has_bias:
+            for j in range(hi - lo):
+                dst[j] = narrow(widen(narrow(src[j], out)) + widen(bias[j]), out)
+        else:
+            for j in range(hi - lo):
+                dst[j] = narrow(src[j], out)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _wait(sync, phase, total):  # pragma: no cover - compiled
+    """Spin until ``total`` pieces of ``phase`` are done. Only claimed pieces are outstanding, and their workers are
+    running, so the wait ends."""
+    while atomics.load(sync, 2 * phase + 1) < total:
+        pass
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _claim_serial(sync, phase):  # pragma: no cover - compiled
+    """True for the one worker that runs the single piece of ``phase``."""
+    return atomics.fetch_add(sync, 2 * phase, 1) == 0
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _finish_serial(sync, phase):  # pragma: no cover - compiled
+    atomics.fetch_add(sync, 2 * phase + 1, 1)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _rows_phase(sync, phase, inp, w, b, acc, out, isa, claim_rows):  # pragma: no cover - compiled
+    """A GEMV phase: claim chunks of ``claim_rows`` output rows until none is left, then wait for the rest."""
+    n_rows = acc.shape[1]
+    chunks = (n_rows + claim_rows - 1) // claim_rows
+    while True:
+        c = atomics.fetch_add(sync, 2 * phase, 1)
+        if c >= chunks:
+            break
+        _project_rows(inp, w, b, acc, out, isa, c * claim_rows, min(n_rows, (c + 1) * claim_rows))
+        atomics.fetch_add(sync, 2 * phase + 1, 1)
+    _wait(sync, phase, chunks)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -131,36 +257,19 @@ def _norm_rows(x, w, w_offset, eps):  # pragma: no cover - compiled
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def decoder_layer_kernel(
-    x, h,
-    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
-    w_offset, eps, act_kind, num_q_heads,
-    positions, cos, sin,
-    k_rows, v_rows, slots,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
-):  # pragma: no cover - compiled
-    """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
-
-    x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
-    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``next_norm_w``).
-    *_w, *_b : storage weights ``[N, K]`` (or int4 weight tuples for the four projections, see ``_project``) /
-    biases ``[N]``; an empty array means absent (no bias, no q/k norm, no post norm). w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
-    positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
-    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
-    K/V go. The rest is a direct, serial :class:`tessera.backends.cpu.decode.DecodePlan`'s arrays.
-    """
-    t_count = x.shape[0]
+def _attention_block(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, plan, qf,
+                     att_s):  # pragma: no cover - compiled
+    """qkv ``[T, (Hq + 2 Hkv) D]`` split into q, k, v; q/k norm; RoPE; k and v written to the cache rows ``slots``;
+    attention of each token over its sequence's cached keys (one decode item per sequence); the result rounded to
+    storage into ``att_s [T, Hq D]``. ``qf`` is float32 ``[T, Hq, D]`` scratch."""
+    (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end,
+     seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes) = plan
+    t_count = qkv.shape[0]
+    hq = qf.shape[1]
     hkv = k_rows.shape[1]
     d = k_rows.shape[2]
-    hq = num_q_heads
-    w_offset = np.float32(w_offset)
-    eps = np.float32(eps)
-    # --- attention: qkv projection, split, q/k norm, RoPE, cache write
-    qkv = _project(h, qkv_w, qkv_b, x)
-    q = np.empty((t_count, hq, d), dtype=x.dtype)
-    k = np.empty((t_count, hkv, d), dtype=x.dtype)
+    q = np.empty((t_count, hq, d), dtype=qkv.dtype)
+    k = np.empty((t_count, hkv, d), dtype=qkv.dtype)
     for t in range(t_count):
         for a in range(hq):
             for e in range(d):
@@ -180,8 +289,6 @@ def decoder_layer_kernel(
         for a in range(hkv):
             for e in range(d):
                 k_rows[slots[t], a, e] = k[t, a, e]
-    # --- attention over the paged cache: one item per sequence, written straight to the output rows
-    qf = np.empty((t_count, hq, d), dtype=np.float32)
     for t in range(t_count):
         for a in range(hq):
             for e in range(d):
@@ -189,29 +296,178 @@ def decoder_layer_kernel(
     att = np.empty((t_count, hq, d), dtype=np.float32)
     lse = np.empty((t_count, hq), dtype=np.float32)
     for item in range(item_seq.shape[0]):
-        decode_item(item, qf, k_rows, v_rows, att, lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len,
-                     seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-                     scale, softcap, slopes, item + 1 if item + 1 < item_seq.shape[0] else -1)
-    att_s = np.empty((t_count, hq * d), dtype=x.dtype)
+        decode_item(item, qf, k_rows, v_rows, att, lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start,
+                     seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride,
+                     mask_buf, scale, softcap, slopes, item + 1 if item + 1 < item_seq.shape[0] else -1)
     for t in range(t_count):
         for a in range(hq):
             for e in range(d):
-                att_s[t, a * d + e] = narrow(att[t, a, e], x)
-    a_out = _project(att_s, o_w, o_b, x)
-    if post_attn_w.shape[0] > 0:
-        a_out = _norm_rows(a_out, post_attn_w, w_offset, eps)
-    # --- residual + MLP norm, gated MLP, residual + the next layer's norm
+                att_s[t, a * d + e] = narrow(att[t, a, e], qkv)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _layer_worker(x, h, weights, norms, w_offset, eps, act_kind, positions, cos, sin, k_rows, v_rows, slots, plan,
+                  isa, bufs, sync, claim_rows):  # pragma: no cover - compiled
+    """One worker's share of the layer (see the module docstring); every worker runs this with the same arguments.
+    ``claim_rows``: GEMV output rows per claim (a single worker claims each GEMV whole)."""
+    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b = weights
+    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w = norms
+    qkv_in, qkv_acc, qkv, o_in, o_acc, a_out, gu_in, gu_acc, gu, act, down_in, down_acc, m, att_s, h2, qf = bufs
+    t_count = x.shape[0]
+    # --- qkv projection
+    if _claim_serial(sync, 0):
+        _fill_input(h, qkv_w, isa, qkv_in)
+        _finish_serial(sync, 0)
+    _wait(sync, 0, 1)
+    _rows_phase(sync, 1, qkv_in, qkv_w, qkv_b, qkv_acc, qkv, isa, claim_rows)
+    # --- split, q/k norm, RoPE, cache write, attention over the paged cache (one item per sequence), o's input
+    if _claim_serial(sync, 2):
+        _attention_block(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, plan,
+                         qf, att_s)
+        _fill_input(att_s, o_w, isa, o_in)
+        _finish_serial(sync, 2)
+    _wait(sync, 2, 1)
+    _rows_phase(sync, 3, o_in, o_w, o_b, o_acc, a_out, isa, claim_rows)
+    # --- post-attention norm, residual + MLP norm, gate/up projection
+    if _claim_serial(sync, 4):
+        a_res = _norm_rows(a_out, post_attn_w, w_offset, eps) if post_attn_w.shape[0] > 0 else a_out
+        for i in range(t_count):
+            _rms_norm_row(a_res, x, mlp_norm_w, w_offset, eps, h2, x, i, True)
+        _fill_input(h2, gate_up_w, isa, gu_in)
+        _finish_serial(sync, 4)
+    _wait(sync, 4, 1)
+    _rows_phase(sync, 5, gu_in, gate_up_w, gate_up_b, gu_acc, gu, isa, claim_rows)
+    # --- gated activation, down projection
+    if _claim_serial(sync, 6):
+        chunks = (act.shape[1] + ACT_CHUNK - 1) // ACT_CHUNK
+        for item in range(t_count * chunks):
+            _act_and_mul_item(gu, act, act_kind, item, chunks)
+        _fill_input(act, down_w, isa, down_in)
+        _finish_serial(sync, 6)
+    _wait(sync, 6, 1)
+    _rows_phase(sync, 7, down_in, down_w, down_b, down_acc, m, isa, claim_rows)
+    # --- post-MLP norm, residual + the next layer's norm
+    if _claim_serial(sync, 8):
+        m_res = _norm_rows(m, post_mlp_w, w_offset, eps) if post_mlp_w.shape[0] > 0 else m
+        for i in range(t_count):
+            _rms_norm_row(m_res, x, next_norm_w, w_offset, eps, h, x, i, True)
+        _finish_serial(sync, 8)
+    _wait(sync, 8, 1)
+
+
+def _n_out(w):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_n_out)
+def _n_out_overload(w):
+    """Output features of a projection: rows of a float weight, or of a packed tuple's first array."""
+    if isinstance(w, types.Array):
+        return lambda w: w.shape[0]
+    return lambda w: w[0].shape[0]
+
+
+def _flat(w):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_flat)
+def _flat_overload(w):
+    """A projection as five plain values. A parallel region cannot take tuples of arrays from outside (Numba's
+    parfors pass only arrays and scalars into the loop body), so the weights cross it taken apart and are rebuilt
+    inside by :func:`_unflat`: a float weight as ``(w, 0, 0, 0, 0)``, int8 as ``(q, scales, 0, 0, g)``."""
+    if isinstance(w, types.Array):
+        return lambda w: (w, 0, 0, 0, 0)
+    if len(w.types) == 3:
+        return lambda w: (w[0], w[1], 0, 0, w[2])
+    return lambda w: w
+
+
+def _unflat(a, b, c, d, e):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(_unflat)
+def _unflat_overload(a, b, c, d, e):
+    """The projection :func:`_flat` took apart."""
+    if isinstance(b, types.Integer):
+        return lambda a, b, c, d, e: a
+    if isinstance(c, types.Integer):
+        return lambda a, b, c, d, e: (a, b, e)
+    return lambda a, b, c, d, e: (a, b, c, d, e)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
+def decoder_layer_kernel(
+    x, h,
+    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
+    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
+    w_offset, eps, act_kind, num_q_heads,
+    positions, cos, sin,
+    k_rows, v_rows, slots,
+    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
+    isa, n_workers,
+):  # pragma: no cover - compiled
+    """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
+
+    x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
+    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``next_norm_w``).
+    *_w, *_b : storage weights ``[N, K]`` (or packed weight tuples for the four projections, see ``_project_rows``)
+    / biases ``[N]``; an empty array means absent (no bias, no q/k norm, no post norm).
+    w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
+    positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
+    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
+    K/V go. Then a direct, serial :class:`tessera.backends.cpu.decode.DecodePlan`'s arrays.
+    isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
+    portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
+    ``_typeof_token`` for what a token inside a tuple costs at every call.
+    n_workers : 1 runs the layer on the calling thread; more runs it in one parallel region of that many workers.
+    """
+    t_count = x.shape[0]
+    hq = num_q_heads
+    d = k_rows.shape[2]
+    n_qkv, n_o, n_gu, n_down = _n_out(qkv_w), _n_out(o_w), _n_out(gate_up_w), _n_out(down_w)
+    att_s = np.empty((t_count, hq * d), dtype=x.dtype)
+    a_out = np.empty((t_count, n_o), dtype=x.dtype)
     h2 = np.empty_like(x)
-    for i in range(t_count):
-        _rms_norm_row(a_out, x, mlp_norm_w, w_offset, eps, h2, x, i, True)
-    gu = _project(h2, gate_up_w, gate_up_b, x)
-    inter = gu.shape[1] // 2
-    act = np.empty((t_count, inter), dtype=x.dtype)
-    chunks = (inter + ACT_CHUNK - 1) // ACT_CHUNK
-    for item in range(t_count * chunks):
-        _act_and_mul_item(gu, act, act_kind, item, chunks)
-    m = _project(act, down_w, down_b, x)
-    if post_mlp_w.shape[0] > 0:
-        m = _norm_rows(m, post_mlp_w, w_offset, eps)
-    for i in range(t_count):
-        _rms_norm_row(m, x, next_norm_w, w_offset, eps, h, x, i, True)
+    act = np.empty((t_count, n_gu // 2), dtype=x.dtype)
+    qkv_acc, qkv = np.empty((t_count, n_qkv), dtype=np.float32), np.empty((t_count, n_qkv), dtype=x.dtype)
+    o_acc = np.empty((t_count, n_o), dtype=np.float32)
+    gu_acc, gu = np.empty((t_count, n_gu), dtype=np.float32), np.empty((t_count, n_gu), dtype=x.dtype)
+    down_acc, m = np.empty((t_count, n_down), dtype=np.float32), np.empty((t_count, n_down), dtype=x.dtype)
+    qf = np.empty((t_count, hq, d), dtype=np.float32)
+    qi0, qi1, qi2 = _new_input(h, qkv_w, isa)
+    oi0, oi1, oi2 = _new_input(att_s, o_w, isa)
+    gi0, gi1, gi2 = _new_input(h2, gate_up_w, isa)
+    di0, di1, di2 = _new_input(act, down_w, isa)
+    sync = np.empty(2 * _PHASES, dtype=np.int64)
+    for i in range(2 * _PHASES):  # not np.zeros: in a parallel=True function that becomes a parallel fill, which
+        sync[i] = 0  # wakes the thread pool on every call, even on the serial path
+    w_offset = np.float32(w_offset)
+    eps = np.float32(eps)
+    if n_workers <= 1:
+        _layer_worker(
+            x, h, (qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b),
+            (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
+            positions, cos, sin, k_rows, v_rows, slots,
+            (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
+             seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
+            isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
+                  (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, 1 << 30)
+        return
+    # the same call, with every tuple rebuilt inside the parallel region (see _flat)
+    qw0, qw1, qw2, qw3, qw4 = _flat(qkv_w)
+    ow0, ow1, ow2, ow3, ow4 = _flat(o_w)
+    gw0, gw1, gw2, gw3, gw4 = _flat(gate_up_w)
+    dw0, dw1, dw2, dw3, dw4 = _flat(down_w)
+    for _ in prange(n_workers):
+        _layer_worker(
+            x, h, (_unflat(qw0, qw1, qw2, qw3, qw4), qkv_b, _unflat(ow0, ow1, ow2, ow3, ow4), o_b,
+                   _unflat(gw0, gw1, gw2, gw3, gw4), gate_up_b, _unflat(dw0, dw1, dw2, dw3, dw4), down_b),
+            (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
+            positions, cos, sin, k_rows, v_rows, slots,
+            (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
+             seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
+            isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
+                  (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, CLAIM_ROWS)

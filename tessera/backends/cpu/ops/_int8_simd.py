@@ -75,9 +75,19 @@ class _TokenModel(models.OpaqueModel):
     pass
 
 
+_TOKEN_TYPES: dict[str, IsaTokenType] = {}
+
+
 @typeof_impl.register(IsaToken)
 def _typeof_token(val, c):
-    return IsaTokenType(val.name)
+    # Numba's C fast path cannot fingerprint a token, so every call that passes one types it here in Python:
+    # building a fresh Type each time costs ~8 us of dispatch per call, a cached one ~1 us. A token inside a tuple
+    # argument is far worse (~100 us: the whole tuple, arrays included, is then typed in Python), so kernels take
+    # the token as an argument of its own, never inside a tuple.
+    typ = _TOKEN_TYPES.get(val.name)
+    if typ is None:
+        typ = _TOKEN_TYPES[val.name] = IsaTokenType(val.name)
+    return typ
 
 
 @unbox(IsaTokenType)
