@@ -2,8 +2,9 @@
 
 :func:`fused_layers` is what :func:`tessera.models.paged.forward_step` tries first. It takes the step when the
 model and the step fit :func:`tessera.backends.cpu.decode_layer.decoder_layer_kernel` (why each condition exists is
-noted where it is checked) and returns None otherwise, so the per-op path runs. Both paths call the same inline
-Numba helpers in the same order, so their logits agree bit for bit (``tests/models/test_fused_decode.py``).
+noted where it is checked) and returns None otherwise, so the per-op path runs. Both paths call the same Numba
+helpers in the same order, so their logits agree to float32 rounding (``tests/models/test_fused_decode.py``; LLVM may
+order a fastmath reduction differently where the fused layer's row kernels are compiled).
 
 Measured on SmolLM2-135M fp32, batch 1 (``benchmarks/e2e_cpu.py``): the per-op path spent ~8 ms of a ~21 ms decode
 step in Python between kernels; see docs/engine.md for the numbers after fusion.

@@ -4,8 +4,9 @@ At batch 1 a SmolLM2-135M token spends ~12 ms streaming weights through four GEM
 kernel, another ~8 ms in the Python around them: about fifteen op calls per layer, each a few layers of Python,
 tensor allocations and checks, all running with caches just flushed by the weight stream. This kernel runs the
 same ops, in the same order, with the same inline Numba helpers as the per-op cpu kernels (GEMV rows, RMSNorm rows,
-RoPE rows, gated activation chunks, the paged decode item), so its results equal the per-op path's bit for bit; only
-the Python between them is gone. Intermediates are rounded to the model's storage dtype exactly where the per-op path
+RoPE rows, gated activation chunks, the paged decode item), so its results equal the per-op path's to float32
+rounding (LLVM may vectorize a fastmath reduction in another order where a row kernel is compiled); only the Python
+between them is gone. Intermediates are rounded to the model's storage dtype exactly where the per-op path
 stores a tensor (a GEMV result, a bias add, a norm, RoPE, the attention output).
 
 The layer is nine phases: four GEMVs, whose output rows are split into chunks of :data:`CLAIM_ROWS`, and the small
