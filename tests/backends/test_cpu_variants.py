@@ -218,3 +218,16 @@ def test_a_variant_failing_its_self_check_is_replaced(monkeypatch) -> None:
     with pytest.warns(RuntimeWarning, match="failed its self-check"):
         token = _qdot.chosen_token()
     assert token is None  # every int8 variant "failed": the portable float kernels run
+
+
+def test_fused_layer_roof_follows_its_isa_argument():
+    """The profile puts a fused decoder layer on the int8 roof when an ISA token runs its packed projections, wherever
+    the token sits in the kernel's arguments (it is followed by ``n_workers``), and on the model dtype's otherwise."""
+    from tessera.backends.cpu import peaks
+    from tessera.backends.cpu.ops._int8_simd import AVX2
+
+    packed = (np.zeros((4, 16), np.uint8), np.ones((4, 1), np.float32), np.zeros((4, 1), np.float32), True, 32)
+    x = np.zeros((1, 32), np.float32)
+    assert peaks.roof_of("fused_decoder_layer", (x, x, packed, x, AVX2, 2)) == "int8"
+    assert peaks.roof_of("fused_decoder_layer", (x, x, packed, x, None, 2)) is None
+    assert peaks.roof_of("fused_decoder_layer", (x, x, x, x, AVX2, 1)) is None  # float projections only

@@ -48,7 +48,7 @@ def compute_peaks() -> dict[str, float]:
 def roof_of(op: str, args: tuple) -> str | None:
     """The compute roof an accounted call runs on, when it is not the model dtype's: ``"int8"`` for a quantized
     matmul (or packed lm_head) the int8-activation kernels take, and for a fused decoder layer whose projections
-    they run (packed weight tuples, and an ISA token as the last argument)."""
+    they run (packed weight tuples, and an ISA token among its arguments)."""
     from tessera.backends.cpu.ops import _qdot
     from tessera.backends.cpu.ops._int8_simd import IsaToken
     from tessera.kernels.quant import QuantizedWeight
@@ -56,8 +56,8 @@ def roof_of(op: str, args: tuple) -> str | None:
     if op in ("qmatmul", "lm_head") and len(args) > 1 and isinstance(args[1], QuantizedWeight):
         if _qdot.chosen_token() is not None and _qdot.unsupported(args[1]) is None:
             return "int8"
-    if op == "fused_decoder_layer" and args and isinstance(args[-1], IsaToken) and any(isinstance(a, tuple)
-                                                                                       for a in args):
+    if op == "fused_decoder_layer" and any(isinstance(a, IsaToken) for a in args) and any(isinstance(a, tuple)
+                                                                                          for a in args):
         return "int8"
     return None
 
