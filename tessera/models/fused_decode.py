@@ -109,7 +109,10 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
         largest = max(int(t.shape[0]) * int(t.shape[1]) for name, t in w.items()
                       if name.startswith("layers.") and name.endswith(".weight")
                       and name.rsplit(".", 2)[-2] in _PROJECTIONS)
-        views = (views, largest, qdot.chosen_token())
+        # the token only when something is packed: choosing it compiles and self-checks the int8 kernels (~30 s
+        # cold), which a float model never runs
+        packed = any(isinstance(t, QuantizedWeight) for name, t in w.items() if name.startswith("layers."))
+        views = (views, largest, qdot.chosen_token() if packed else None)
     object.__setattr__(model, _VIEWS_ATTR, (variant, views))
     return views
 

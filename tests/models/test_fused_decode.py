@@ -120,14 +120,21 @@ def test_unsupported_families_name_the_reason(name, tmp_path):
     assert reason and ("norm" in reason or "experts" in reason)
 
 
-@pytest.mark.parametrize("variant", variants.available("qgemv"))
-@pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
-def test_fused_decode_with_int4_projections(fmt, variant, tmp_path, fused_calls, monkeypatch, workers):
+#: every format under every qgemv variant on the calling thread; the parallel region once, with the best variant
+#: (its claims and phases do not depend on the weight format, and each parallel specialization compiles for ~50 s)
+_PACKED_CASES = [(fmt, variant, 1) for fmt in ("int4", "int4_min", "int8") for variant in variants.available("qgemv")]
+_PACKED_CASES.append(("int4_min", variants.available("qgemv")[0], 2))
+
+
+@pytest.mark.parametrize("fmt, variant, n_workers", _PACKED_CASES,
+                         ids=[f"{'serial' if n == 1 else 'parallel'}-{f}-{v}" for f, v, n in _PACKED_CASES])
+def test_fused_decode_with_int4_projections(fmt, variant, n_workers, tmp_path, fused_calls, monkeypatch):
     """Packed projections (as a GGUF Q4_0 / Q4_1 / Q8_0 model keeps them) run through the fused kernel too, under
     every ``qgemv`` variant this CPU runs; int8 needs an int8-activation variant (the portable one declines it)."""
     from tessera.kernels import quantize
 
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", f"qgemv={variant}")
+    monkeypatch.setattr(fused_decode, "_workers", lambda work: n_workers)
 
     config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

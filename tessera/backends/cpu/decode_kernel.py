@@ -426,7 +426,10 @@ def _decode_item_blocked(
     _write_item(item, acc, m, l, part_out, part_lse)
 
 
-@njit(inline="always", fastmath=FASTMATH)
+# Called, not inlined: its two item kernels take ~60 s to compile per K/V dtype, and as a function of its own it
+# compiles once for every caller of the same argument types (the parallel and serial kernels here and the fused
+# decode layer) instead of once inside each; a call per work item costs well under a microsecond.
+@njit(fastmath=FASTMATH, cache=True)
 def decode_item(
     item, q, k, v, part_out, part_lse,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,

@@ -398,36 +398,34 @@ def _unflat_overload(a, b, c, d, e):
     return lambda a, b, c, d, e: (a, b, c, d, e)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def decoder_layer_kernel(
-    x, h,
-    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
-    w_offset, eps, act_kind, num_q_heads,
-    positions, cos, sin,
-    k_rows, v_rows, slots,
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _layer_flat(
+    x, h, qw0, qw1, qw2, qw3, qw4, qkv_b, ow0, ow1, ow2, ow3, ow4, o_b, gw0, gw1, gw2, gw3, gw4, gate_up_b,
+    dw0, dw1, dw2, dw3, dw4, down_b, q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
+    w_offset, eps, act_kind, positions, cos, sin, k_rows, v_rows, slots,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
-    isa, n_workers,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+    isa, qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
+    di0, di1, di2, down_acc, m, att_s, h2, qf, sync, claim_rows,
 ):  # pragma: no cover - compiled
-    """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
+    """:func:`_layer_worker` with every tuple taken apart (see :func:`_flat`), for the parallel region, which can
+    only pass plain values; it rebuilds the tuples with the types the serial kernel passes, so both share one
+    compiled ``_layer_worker``."""
+    _layer_worker(
+        x, h, (_unflat(qw0, qw1, qw2, qw3, qw4), qkv_b, _unflat(ow0, ow1, ow2, ow3, ow4), o_b,
+               _unflat(gw0, gw1, gw2, gw3, gw4), gate_up_b, _unflat(dw0, dw1, dw2, dw3, dw4), down_b),
+        (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
+        positions, cos, sin, k_rows, v_rows, slots,
+        (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
+         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
+        isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
+              (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, claim_rows)
 
-    x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
-    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``next_norm_w``).
-    *_w, *_b : storage weights ``[N, K]`` (or packed weight tuples for the four projections, see ``_project_rows``)
-    / biases ``[N]``; an empty array means absent (no bias, no q/k norm, no post norm).
-    w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
-    positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
-    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
-    K/V go. Then a direct, serial :class:`tessera.backends.cpu.decode.DecodePlan`'s arrays.
-    isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
-    portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
-    ``_typeof_token`` for what a token inside a tuple costs at every call.
-    n_workers : 1 runs the layer on the calling thread; more runs it in one parallel region of that many workers.
-    """
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, isa):  # pragma: no cover - compiled
+    """The layer's intermediates, the prepared inputs of its four projections and the zeroed phase counters."""
     t_count = x.shape[0]
-    hq = num_q_heads
-    d = k_rows.shape[2]
     n_qkv, n_o, n_gu, n_down = _n_out(qkv_w), _n_out(o_w), _n_out(gate_up_w), _n_out(down_w)
     att_s = np.empty((t_count, hq * d), dtype=x.dtype)
     a_out = np.empty((t_count, n_o), dtype=x.dtype)
@@ -444,31 +442,97 @@ def decoder_layer_kernel(
     di0, di1, di2 = _new_input(act, down_w, isa)
     sync = np.empty(2 * _PHASES, dtype=np.int64)
     for i in range(2 * _PHASES):  # not np.zeros: in a parallel=True function that becomes a parallel fill, which
-        sync[i] = 0  # wakes the thread pool on every call, even on the serial path
-    w_offset = np.float32(w_offset)
-    eps = np.float32(eps)
-    if n_workers <= 1:
-        _layer_worker(
-            x, h, (qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b),
-            (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
-            positions, cos, sin, k_rows, v_rows, slots,
-            (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
-             seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
-            isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
-                  (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, 1 << 30)
-        return
-    # the same call, with every tuple rebuilt inside the parallel region (see _flat)
+        sync[i] = 0  # wakes the thread pool on every call
+    return (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
+            di0, di1, di2, down_acc, m, att_s, h2, qf, sync)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _serial_layer(
+    x, h,
+    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
+    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
+    w_offset, eps, act_kind, num_q_heads,
+    positions, cos, sin,
+    k_rows, v_rows, slots,
+    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
+    isa,
+):  # pragma: no cover - compiled
+    """:func:`decoder_layer_kernel` on the calling thread (each GEMV claimed whole)."""
+    (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
+     di0, di1, di2, down_acc, m, att_s, h2, qf, sync) = _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads,
+                                                                 k_rows.shape[2], isa)
+    # Straight to _layer_worker (one compiled level fewer than through _layer_flat: each level re-optimizes the code
+    # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
+    # _layer_worker a second time for the parallel kernel's call (~30 s).
+    _layer_worker(
+        x, h, (qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b),
+        (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), np.float32(w_offset),
+        np.float32(eps), act_kind, positions, cos, sin, k_rows, v_rows, slots,
+        (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
+         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
+        isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
+              (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, np.int64(1 << 30))
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
+def _parallel_layer(
+    x, h,
+    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
+    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
+    w_offset, eps, act_kind, num_q_heads,
+    positions, cos, sin,
+    k_rows, v_rows, slots,
+    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
+    isa, n_workers,
+):  # pragma: no cover - compiled
+    """:func:`decoder_layer_kernel` as ``n_workers`` workers in one parallel region."""
+    (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
+     di0, di1, di2, down_acc, m, att_s, h2, qf, sync) = _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads,
+                                                                 k_rows.shape[2], isa)
     qw0, qw1, qw2, qw3, qw4 = _flat(qkv_w)
     ow0, ow1, ow2, ow3, ow4 = _flat(o_w)
     gw0, gw1, gw2, gw3, gw4 = _flat(gate_up_w)
     dw0, dw1, dw2, dw3, dw4 = _flat(down_w)
+    w_offset32 = np.float32(w_offset)
+    eps32 = np.float32(eps)
+    claim_rows = np.int64(CLAIM_ROWS)  # see _serial_layer
     for _ in prange(n_workers):
-        _layer_worker(
-            x, h, (_unflat(qw0, qw1, qw2, qw3, qw4), qkv_b, _unflat(ow0, ow1, ow2, ow3, ow4), o_b,
-                   _unflat(gw0, gw1, gw2, gw3, gw4), gate_up_b, _unflat(dw0, dw1, dw2, dw3, dw4), down_b),
-            (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
-            positions, cos, sin, k_rows, v_rows, slots,
-            (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
-             seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
-            isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
-                  (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, CLAIM_ROWS)
+        _layer_flat(x, h, qw0, qw1, qw2, qw3, qw4, qkv_b, ow0, ow1, ow2, ow3, ow4, o_b, gw0, gw1, gw2, gw3, gw4,
+                    gate_up_b, dw0, dw1, dw2, dw3, dw4, down_b,
+                    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w, w_offset32, eps32, act_kind,
+                    positions, cos, sin, k_rows, v_rows, slots,
+                    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
+                    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+                    isa, qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
+                    di0, di1, di2, down_acc, m, att_s, h2, qf, sync, claim_rows)
+
+
+def decoder_layer_kernel(*args) -> None:
+    """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
+
+    Arguments, in order:
+
+    x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
+    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``next_norm_w``).
+    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b : storage weights ``[N, K]`` (or packed weight
+    tuples for the four projections, see ``_project_rows``) / biases ``[N]``; an empty array means absent.
+    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w : norm weights, empty when absent.
+    w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. eps. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
+    num_q_heads. positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
+    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
+    K/V go. Then a direct, serial :class:`tessera.backends.cpu.decode.DecodePlan`'s arrays.
+    isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
+    portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
+    ``_typeof_token`` for what a token inside a tuple costs at every call.
+    n_workers : 1 runs the layer on the calling thread; more runs it in one parallel region of that many workers.
+
+    Two compiled kernels behind one entry point: a model that only ever runs serial steps never compiles the
+    parallel region (~40 s cold on the 2-core development machine).
+    """
+    if args[-1] <= 1:
+        _serial_layer(*args[:-1])
+    else:
+        _parallel_layer(*args)
