@@ -1,12 +1,13 @@
-"""What a row-interleaved int4 layout would buy the batch-1 GEMV when its weights stream from DRAM.
+"""The batch-1 int4 GEMV from DRAM: the product kernel's layout against a row-interleaved one.
 
-The int8-activation int4 kernel (``ops/_qdot_kernels.py``) reads four weight rows at a time, each from three arrays
-(nibbles ``[N, K/2]``, float32 scales and offsets ``[N, K/g]``): twelve address streams that the hardware
-prefetchers serve far below the memory's rate. This probe runs the same arithmetic over a layout in which each group
-of four rows is stored block by block (block ``b``: the four rows' 16 bytes of nibbles, then, in arrays of their own,
-the four rows' scales and ``-zero * scale`` offsets), so the kernel reads three sequential streams. It is a probe,
-not a product kernel: group 32 only, M = 1, rows a multiple of four. Its result is checked against the product
-kernel's before timing.
+The int8-activation int4 kernel (``ops/_qdot_kernels.py``) reads its weight one row at a time from three arrays
+(nibbles ``[N, K/2]``, float32 scales ``[N, K/g]``, uint8 zero points): three sequential address streams. (It used to
+read four rows at a time, sharing each activation load: twelve streams, which the hardware prefetchers served at half
+the rate; see docs/performance.md.) This probe runs the same arithmetic over a layout where each group of four rows
+is stored block by block (block ``b``: the four rows' 16 bytes of nibbles; scales and ``-zero * scale`` offsets
+interleaved the same way in arrays of their own): also three streams, and each activation load serves four rows. It
+is a probe, not a product kernel: group 32 only, M = 1, rows a multiple of four. Its result is checked against the
+product kernel's before timing.
 
 Rows of one run only: the machine is shared and its memory rate drifts. Usage::
 
@@ -129,11 +130,11 @@ def main() -> None:
     tx = torch.randn(K)
     threads = numba.get_num_threads()
     cases = {
-        (1, "product (3 arrays, 4 rows at a time)"): lambda w: qk.gemv_int4_serial(
+        (1, "product (3 arrays, one row at a time)"): lambda w: qk.gemv_int4_serial(
             AVX2, xq, xd, xs, w["packed"], w["scales"], w["zeros"], False, GROUP, out),
         (1, "interleaved by 4 rows (probe)"): lambda w: interleaved_serial(
             AVX2, xq, xd, gs, w["packed4"], w["scales4"], w["offs4"], out),
-        (threads, "product (3 arrays, 4 rows at a time)"): lambda w: qk.gemv_int4(
+        (threads, "product (3 arrays, one row at a time)"): lambda w: qk.gemv_int4(
             AVX2, xq, xd, xs, w["packed"], w["scales"], w["zeros"], False, GROUP, out),
         (threads, "interleaved by 4 rows (probe)"): lambda w: interleaved_parallel(
             AVX2, xq, xd, gs, w["packed4"], w["scales4"], w["offs4"], out),

@@ -43,7 +43,7 @@ from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
 from tessera.backends.cpu.ops.rope import _rotate_item
 
-#: output rows per claimed GEMV chunk when several workers share a layer (a multiple of the row kernels' 4-row
+#: output rows per claimed GEMV chunk when several workers share a layer (a multiple of the float row kernel's 4-row
 #: blocks): each claim costs ~0.3 us (a call, an atomic, the row kernel's setup), so 128 rows (~5 us of SmolLM2's
 #: gate/up) keep that near 5% while the last chunk leaves a worker idle for at most ~5 us
 CLAIM_ROWS = 128

@@ -99,30 +99,6 @@ def _int4_offsets(gsum, scales, offsets, has_min, n):  # pragma: no cover - comp
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_g32_rows4(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
-    """Scaled integer dots of rows ``n .. n+3`` (group 32) with activation row ``m``: one activation load serves
-    four weight rows."""
-    nb = xd.shape[1]
-    hk = packed.shape[1]
-    a0 = zero_f32x8()
-    a1 = zero_f32x8()
-    a2 = zero_f32x8()
-    a3 = zero_f32x8()
-    xo = m * xq.shape[1]
-    do = m * nb
-    r0, r1, r2, r3 = n * hk, (n + 1) * hk, (n + 2) * hk, (n + 3) * hk
-    s0, s1, s2, s3 = n * nb, (n + 1) * nb, (n + 2) * nb, (n + 3) * nb
-    for b in range(nb):
-        s = load_i8x32(xq, xo + b * BLOCK)
-        d = load_f32(xd, do + b)
-        a0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r0 + b * 16), s), load_f32(scales, s0 + b) * d, a0)
-        a1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r1 + b * 16), s), load_f32(scales, s1 + b) * d, a1)
-        a2 = fma_i32(dot_u8s8(isa, nibbles16(packed, r2 + b * 16), s), load_f32(scales, s2 + b) * d, a2)
-        a3 = fma_i32(dot_u8s8(isa, nibbles16(packed, r3 + b * 16), s), load_f32(scales, s3 + b) * d, a3)
-    return sum_f32x8(a0), sum_f32x8(a1), sum_f32x8(a2), sum_f32x8(a3)
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - compiled
     """Scaled integer dot of row ``n`` (any group size) with activation row ``m``."""
     nb = xd.shape[1]
@@ -158,22 +134,15 @@ def int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, n_l
     """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int4 / int4_min weights (see the module docstring):
     ``xq, xd, xs`` from :func:`quantize_rows`, ``packed`` uint8 ``[N, K // 2]``, ``scales`` float32 ``[N, ng]``,
     ``offsets`` uint8 zero points or float32 mins ``[N, ng]``."""
-    m_rows = xq.shape[0]
-    for m in range(m_rows):
+    # One weight row at a time, not four sharing each activation load: four rows are twelve address streams (codes,
+    # scales, offsets of each), which the hardware prefetchers serve far below the memory's rate. Measured on Zen 3
+    # (2026-12-02, M=1, 4096 x 4096 g32, one thread): 1.44 ms one row at a time against 2.70 ms four at a time
+    # from DRAM, 1.21 vs 2.62 ms from L3, equal on SmolLM2's cache-resident shapes (the activation row stays in L1).
+    for m in range(xq.shape[0]):
         gsum = _group_sums(xs, group, m)
-        n = n_lo
-        if group == BLOCK:
-            while n + 4 <= n_hi:
-                y0, y1, y2, y3 = _int4_g32_rows4(isa, xq, xd, m, packed, scales, n)
-                out[m, n] = y0 + _int4_offsets(gsum, scales, offsets, has_min, n)
-                out[m, n + 1] = y1 + _int4_offsets(gsum, scales, offsets, has_min, n + 1)
-                out[m, n + 2] = y2 + _int4_offsets(gsum, scales, offsets, has_min, n + 2)
-                out[m, n + 3] = y3 + _int4_offsets(gsum, scales, offsets, has_min, n + 3)
-                n += 4
-        while n < n_hi:
+        for n in range(n_lo, n_hi):
             out[m, n] = _int4_row(isa, xq, xd, m, packed, scales, group, n) + \
                 _int4_offsets(gsum, scales, offsets, has_min, n)
-            n += 1
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
