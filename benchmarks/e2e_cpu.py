@@ -220,7 +220,7 @@ def run_servers(wl: Workload, path: Path, llama: peers.LlamaCpp | None, sizes: S
                                      ctx=per_slot * sizes.server_inflight, threads=threads)
         log = log_dir / f"{wl.name}-llama-server.log"
         console.print(f"  server: llama.cpp ({log})")
-        with peers.Server(cmd, port, log, start_timeout=300, name="llama-server") as srv:
+        with peers.Server(cmd, port, log, start_timeout=300, name="llama-server", env=peers.peer_env()) as srv:
             out["llama.cpp"] = server_load(srv, sizes, prompts)
     for key, r in out.items():
         if r["tokens"] != r["expected_tokens"]:
@@ -432,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                        "read_gbps_cached": ceilings.read_gbps, "read_gbps_run": run_read, "torch": torch.__version__,
                        "sizes": asdict(sizes),
                        "llama_cpp_build": llama.build if llama else {"missing": peers.MISSING_HINT},
+                       "llama_cpp_env_removed": list(peers.TESSERA_ONLY_ENV),
                        "note": args.note, "others_busy_fraction": others, "workloads": results,
                        "elapsed_s": elapsed}, f, indent=1)
         console.print(f"wrote {args.json}")

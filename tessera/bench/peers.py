@@ -32,6 +32,22 @@ MISSING_HINT = ("llama.cpp peers are not built. Build them with `make peers` (ll
                 "source into .peers/, about 10 minutes on 2 cores), then rerun; continuing with Tessera only.")
 
 
+#: Variables that tune *Tessera's* thread pools (``tessera/__init__.py`` and the benchmarks set them for this process)
+#: and must not reach llama.cpp: its OpenMP threads spin-wait between graph launches by default, and a passive wait
+#: policy makes each token wake sleeping threads. Measured on Zen 4 (2026-12-02, SmolLM2 Q4_1, ``llama-bench -t 2``):
+#: tg64 122.4 tok/s as launched from a shell, 39.2 with ``OMP_WAIT_POLICY=PASSIVE`` inherited.
+TESSERA_ONLY_ENV = ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def peer_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a peer binary runs in: ``base`` (default this process's) without :data:`TESSERA_ONLY_ENV`,
+    so llama.cpp runs with its own defaults, as its users launch it (threads come from its ``-t`` flag)."""
+    env = dict(os.environ if base is None else base)
+    for name in TESSERA_ONLY_ENV:
+        env.pop(name, None)
+    return env
+
+
 class PeerError(RuntimeError):
     """A peer binary or server failed; the message names the command or log file to look at."""
 
@@ -107,7 +123,7 @@ def llama_bench(llama: LlamaCpp, model: str | Path, *, prompt: int = 512, gen: i
     cmd = [str(llama.bench), "-m", str(model), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
            "-r", str(reps), "-o", "json"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=peer_env())
     except subprocess.TimeoutExpired as err:
         raise PeerError(f"llama-bench ran past {timeout:.0f} s: {' '.join(cmd)}") from err
     if proc.returncode != 0:

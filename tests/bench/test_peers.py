@@ -119,3 +119,22 @@ def test_real_llama_bench_runs_the_default_model():
 
     r = peers.llama_bench(peers.find_llama_cpp(), default_model_path(), prompt=32, gen=4, threads=2, reps=1)
     assert r["pp_tok_s"] > 0 and r["tg_tok_s"] > 0
+
+
+def test_peers_run_without_tesseras_thread_pool_settings(tmp_path, monkeypatch):
+    """llama.cpp must not inherit OMP_WAIT_POLICY=PASSIVE (which ``import tessera`` sets): it made llama-bench's tg64
+    3x slower than the same binary launched from a shell."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "4")
+    monkeypatch.setenv("TESSERA_PEER_KEEP", "yes")
+    env = peers.peer_env()
+    assert "OMP_WAIT_POLICY" not in env and "OPENBLAS_THREAD_TIMEOUT" not in env
+    assert env["TESSERA_PEER_KEEP"] == "yes"
+    seen = tmp_path / "env.txt"
+    entries = json.dumps([{"n_prompt": 0, "n_gen": 8, "avg_ts": 1.0}])
+    bench = tmp_path / "llama-bench"
+    bench.write_text(f"#!/bin/sh\necho \"wait=${{OMP_WAIT_POLICY:-unset}}\" > {seen}\ncat <<'EOF'\n{entries}\nEOF\n")
+    bench.chmod(0o755)
+    llama = peers.LlamaCpp(tmp_path, bench, tmp_path / "llama-server")
+    peers.llama_bench(llama, "m.gguf", prompt=0, gen=8)
+    assert seen.read_text().strip() == "wait=unset"
