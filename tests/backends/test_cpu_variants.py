@@ -231,3 +231,30 @@ def test_fused_layer_roof_follows_its_isa_argument():
     assert peaks.roof_of("fused_decoder_layer", (x, x, packed, x, AVX2, 2)) == "int8"
     assert peaks.roof_of("fused_decoder_layer", (x, x, packed, x, None, 2)) is None
     assert peaks.roof_of("fused_decoder_layer", (x, x, x, x, AVX2, 1)) is None  # float projections only
+
+
+# ------------------------------------------------------------------------------------------------ prefill P.V
+@pytest.mark.parametrize("variant", [v.name for v in variants.FAMILIES["prefill_pv"].variants])
+@pytest.mark.parametrize("mask", ["causal", "window_softcap"])
+def test_prefill_pv_variant_matches_oracle(variant: str, mask: str, monkeypatch) -> None:
+    """bf16 prefill through the BLAS tiles under each ``prefill_pv`` variant this CPU runs: GQA 6:2, odd lengths, a
+    cached prefix and kv runs longer than one tile (so the float32 accumulation across bf16 tiles is exercised),
+    against the float64 oracle on the same bf16 inputs."""
+    from tessera.attention import AttentionSpec, causal, sliding_window, softcap
+    from tessera.backends.cpu import prefill
+    from tests.attention.cases import check_against_oracle, seed_of, varlen_layout
+
+    lacking = isa.missing(next(v for v in variants.FAMILIES["prefill_pv"].variants if v.name == variant).requires)
+    if lacking:
+        pytest.skip(f"this CPU lacks {lacking} for prefill_pv={variant}")
+    _force(monkeypatch, f"prefill_pv={variant}")
+    assert prefill._bf16_pv(torch.bfloat16) == (variant != "fp32") and not prefill._bf16_pv(torch.float32)
+    layout = varlen_layout([131, 77], [131, 2 * prefill.KV_TILE + 45], hq=6, hkv=2, d=64)
+    kw = {"mask": causal()} if mask == "causal" else {"mask": sliding_window(300) & causal(), "score": softcap(20.0)}
+    gen = torch.Generator().manual_seed(seed_of(f"prefill_pv {variant} {mask}"))
+    seen = []
+    update = prefill._State.update
+    monkeypatch.setattr(prefill._State, "update", lambda self, p, v, v_bf16=None: (seen.append(v_bf16 is not None),
+                                                                                    update(self, p, v, v_bf16)))
+    check_against_oracle("cpu", layout, AttentionSpec(6, 2, 64, **kw), torch.bfloat16, gen, f"prefill_pv={variant}")
+    assert seen and set(seen) == {variant != "fp32"}, "the tiles did not take the variant's P.V path"

@@ -63,6 +63,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         Variant("portable", frozenset(),
                 "float32 x: codes widened to float32 and FMA'd (exact weight-only semantics)"),
     )),
+    Family("prefill_pv", "P.V product of the prefill tiles when K/V are stored in bfloat16", (
+        Variant("amx_bf16", frozenset({"amx-tile", "amx-bf16"}),
+                "P rounded to bf16 and multiplied with the bf16 V tile by torch's bf16 GEMM (oneDNN, AMX tiles); "
+                "the tile's output accumulated in float32"),
+        Variant("avx512_bf16", frozenset({"avx512bf16"}),
+                "as amx_bf16, torch's bf16 GEMM on AVX512-BF16 dot products (VDPBF16PS)"),
+        Variant("fp32", frozenset(), "P and V in float32 through NumPy's BLAS sgemm, as for every other dtype"),
+    )),
     Family("simd", "vector width of the explicit-SIMD attention micro-kernels (decode, shared-prefix pass)", (
         Variant("avx512", frozenset({"avx512f"}), "16 float32 lanes per vector (one zmm)"),
         Variant("lanes8", frozenset(), "8 float32 lanes per vector (one ymm; LLVM splits it on narrower CPUs)"),
