@@ -257,6 +257,18 @@ def add_i32(typingctx, a, b):
 
 
 @intrinsic
+def add_f32x8(typingctx, a, b):
+    """``a + b`` lane by lane (``f32x8``)."""
+    if (a, b) != (f32x8, f32x8):
+        raise TypingError(f"add_f32x8: expected two {f32x8}, got {a}, {b}")
+
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], args[1])
+
+    return f32x8(a, b), codegen
+
+
+@intrinsic
 def zero_f32x8(typingctx):
     """An ``f32x8`` of zeros."""
 
