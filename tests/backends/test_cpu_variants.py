@@ -258,3 +258,36 @@ def test_prefill_pv_variant_matches_oracle(variant: str, mask: str, monkeypatch)
                                                                                     update(self, p, v, v_bf16)))
     check_against_oracle("cpu", layout, AttentionSpec(6, 2, 64, **kw), torch.bfloat16, gen, f"prefill_pv={variant}")
     assert seen and set(seen) == {variant != "fp32"}, "the tiles did not take the variant's P.V path"
+
+
+# ------------------------------------------------------------------------------------------------ prefill qgemm
+QGEMM = [v.name for v in variants.FAMILIES["qgemm"].variants]
+
+
+@pytest.mark.parametrize("variant", QGEMM)
+@pytest.mark.parametrize("fmt,group_size", FORMATS + [("fp8_e4m3", None)])
+def test_qgemm_variant_matches_oracle(variant: str, fmt: str, group_size: int | None, monkeypatch,
+                                      gen: torch.Generator) -> None:
+    """The tiled prefill path (more rows than the GEMV takes) under each ``qgemm`` variant this CPU runs, against
+    the float64 product with the de-quantized weights: fp32 within the fp32 tolerance, the bf16 variants (x, the
+    weight tile and the output each rounded to bf16 once) within the bf16 one. N spans two tiles and a partial one;
+    a NaN-poisoned output catches unwritten columns."""
+    from tessera.backends.cpu.ops import quant as cpu_quant
+
+    lacking = isa.missing(next(v for v in variants.FAMILIES["qgemm"].variants if v.name == variant).requires)
+    if lacking:
+        pytest.skip(f"this CPU lacks {lacking} for qgemm={variant}")
+    _force(monkeypatch, f"qgemm={variant}")
+    monkeypatch.setenv("TESSERA_TUNE_QUANT_TILE_N", "256")
+    k = 3 * (group_size or 32) + (64 if group_size is None else 0)
+    n = 2 * 256 + 37
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
+    qw = Q.quantize(w, fmt, group_size)
+    x = torch.randn(150, k, generator=gen)
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: torch.full(  # poison every fresh output buffer
+        shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape, float("nan"), **kw)
+        if kw.get("dtype", torch.float32) == torch.float32 else torch.zeros(*shape, **kw))
+    out = cpu_quant._gemm_tiled(x, qw)
+    monkeypatch.undo()
+    dtype = torch.float32 if variant == "fp32" else torch.bfloat16
+    assert_close_to_oracle(out, qmatmul_f64(x, qw), dtype, f"qgemm={variant} {fmt}/{group_size}", reduction=True)

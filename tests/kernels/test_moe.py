@@ -263,7 +263,7 @@ def test_moe_mlp_errors():
 def test_grouped_matmul_quantized_experts(backend, fmt, gen, monkeypatch):
     """A list of per-expert QuantizedWeight runs quant.qmatmul per group; the oracle uses the dequantized weights
     (float activations: the cpu int8-activation variants have their own oracle in tests/backends)."""
-    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=portable")
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=portable,qgemm=fp32")
     quant = pytest.importorskip("tessera.kernels.quant")
     from tessera.kernels import registry
 

@@ -20,9 +20,9 @@ FORMATS = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 12
 
 @pytest.fixture(autouse=True)
 def _float_activations(monkeypatch):
-    """These tests hold qmatmul to weight-only semantics (float x); the cpu backend's int8-activation qgemv variants
-    are checked against their own oracle in tests/backends/test_cpu_variants.py."""
-    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=portable")
+    """These tests hold qmatmul to weight-only semantics (float x, float32 tiles); the cpu backend's int8-activation
+    qgemv and bf16-tile qgemm variants are checked against their own oracles in tests/backends/test_cpu_variants.py."""
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=portable,qgemm=fp32")
 
 
 def _weight(gen: torch.Generator, n: int, k: int) -> torch.Tensor:

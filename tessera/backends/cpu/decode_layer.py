@@ -530,7 +530,7 @@ def decoder_layer_kernel(*args) -> None:
     n_workers : 1 runs the layer on the calling thread; more runs it in one parallel region of that many workers.
 
     Two compiled kernels behind one entry point: a model that only ever runs serial steps never compiles the
-    parallel region (~40 s cold on the 2-core development machine).
+    parallel region (~53 s cold on a 2-core Zen 3, 44 s of it its own; ``benchmarks/compile_times.py``).
     """
     if args[-1] <= 1:
         _serial_layer(*args[:-1])

@@ -63,6 +63,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         Variant("portable", frozenset(),
                 "float32 x: codes widened to float32 and FMA'd (exact weight-only semantics)"),
     )),
+    Family("qgemm", "quantized matmul at prefill shapes (packed weights, more rows of x than the GEMV row limit)", (
+        Variant("amx_bf16", frozenset({"amx-tile", "amx-bf16"}),
+                "each weight tile de-quantized to bf16 and multiplied with x rounded to bf16 by torch's bf16 GEMM "
+                "(oneDNN, AMX tiles; float32 accumulation, output rounded to bf16)"),
+        Variant("avx512_bf16", frozenset({"avx512bf16"}),
+                "as amx_bf16, torch's bf16 GEMM on AVX512-BF16 dot products (VDPBF16PS)"),
+        Variant("fp32", frozenset(), "weight tiles de-quantized to float32 and NumPy's BLAS sgemm (exact weight-only "
+                "semantics)"),
+    )),
     Family("prefill_pv", "P.V product of the prefill tiles when K/V are stored in bfloat16", (
         Variant("amx_bf16", frozenset({"amx-tile", "amx-bf16"}),
                 "P rounded to bf16 and multiplied with the bf16 V tile by torch's bf16 GEMM (oneDNN, AMX tiles); "

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tessera.backends.cpu import variants
+from tessera.backends.cpu.ops import _dequant_bf16 as dequant_bf16
 from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops import _quant_kernels as kernels
@@ -96,14 +98,42 @@ def _rows_slice(qw: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
 
 
 def _gemm_tiled(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """float32 ``x @ W.T`` through weight tiles of ``quant_tile_n`` rows de-quantized one at a time (the float
+    matrix is never held whole), in the ``qgemm`` variant's precision.
+
+    The bf16 variants round x and each tile to bf16 (the tile is de-quantized in bf16 arithmetic: the int4 codes
+    times the bf16-rounded scale) and take torch's bf16 GEMM, which accumulates in float32 and rounds its output to
+    bf16: about 2^-8 relative error per output, finer than the int8 activations of the decode GEMV. Measured on Zen 4
+    (2026-12-02, 2 threads, M=512 x 5632 x 2048 int4): de-quantize + sgemm 87-99 ms, bf16 ~42 ms.
+    """
     n = qw.shape[0]
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     tile_n = tuned("quant_tile_n", None, TILE_N)
+    low = variants.choose("qgemm").name != "fp32"
+    xb = x.to(torch.bfloat16) if low else None
     for lo in range(0, n, tile_n):
         hi = min(n, lo + tile_n)
+        if low:
+            out[:, lo:hi] = torch.mm(xb, _bf16_tile(qw, lo, hi))
+            continue
         tile = dequantize_in(_rows_slice(qw, lo, hi), torch.float32)
         np.matmul(x.numpy(), tile.numpy().T, out=out.numpy()[:, lo:hi])  # OpenBLAS: see blas_matmul
     return out
+
+
+def _bf16_tile(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of ``qw`` de-quantized to bf16, transposed ``[K, hi - lo]`` (a view) for ``x @ tile``."""
+    bits = torch.empty(hi - lo, qw.shape[1], dtype=torch.int16)
+    out = bits.numpy().view(np.uint16)
+    if qw.fmt in ("int4", "int4_min"):
+        offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
+        dequant_bf16.dequant_int4_bf16(qw.data.numpy(), qw.scales.numpy(), offsets.numpy(), qw.fmt == "int4_min",
+                                       qw.group_size, lo, out)
+    elif qw.fmt == "int8":
+        dequant_bf16.dequant_int8_bf16(qw.data.numpy(), qw.scales.numpy(), qw.group_size, lo, out)
+    else:  # fp8: torch converts e4m3 exactly; one rounding to bf16 after the scale
+        return (qw.data[lo:hi].float() * qw.scales[lo:hi]).to(torch.bfloat16).T
+    return bits.view(torch.bfloat16).T
 
 
 def _gemv(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
