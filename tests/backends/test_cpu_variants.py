@@ -291,3 +291,20 @@ def test_qgemm_variant_matches_oracle(variant: str, fmt: str, group_size: int | 
     monkeypatch.undo()
     dtype = torch.float32 if variant == "fp32" else torch.bfloat16
     assert_close_to_oracle(out, qmatmul_f64(x, qw), dtype, f"qgemm={variant} {fmt}/{group_size}", reduction=True)
+
+
+@pytest.mark.parametrize("fmt,group_size", [("int4", 32), ("int4", 128), ("int4_min", 64), ("int8", 32), ("int8", None)])
+def test_bf16_dequantization_rounds_once(fmt: str, group_size: int | None, gen: torch.Generator) -> None:
+    """The bf16 tiles' de-quantizer: the float32 weight rounded to bf16 once (round to nearest even, as torch's
+    conversion), a NaN scale giving NaN, rows from an offset, every element written."""
+    from tessera.backends.cpu.ops import quant as cpu_quant
+    from tessera.backends.reference.ops.quant import dequantize_in
+
+    qw = Q.quantize(torch.randn(13, 3 * (group_size or 32), generator=gen), fmt, group_size)
+    qw.scales[4, 0] = float("nan")
+    got = cpu_quant._bf16_tile(qw, 3, 11).T  # [8, K]
+    want = dequantize_in(qw, torch.float32)[3:11].to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    # one rounding of the float32 weight; float32 rounding of ``q * s + off`` (fused or not) may move a tie by one
+    # bf16 step, never more
+    torch.testing.assert_close(got[~got.isnan()].float(), want[~want.isnan()].float(), rtol=2 ** -8, atol=0)
