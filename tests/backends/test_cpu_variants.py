@@ -40,10 +40,11 @@ def _force(monkeypatch, spec: str) -> None:
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", spec)
 
 
-def _runnable(name: str):
-    lacking = isa.missing(next(v for v in variants.FAMILIES["qgemv"].variants if v.name == name).requires)
+def _runnable(name: str, family: str = "qgemv"):
+    """Skip unless this CPU executes ``family``'s variant ``name``."""
+    lacking = isa.missing(next(v for v in variants.FAMILIES[family].variants if v.name == name).requires)
     if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for qgemv={name}")
+        pytest.skip(f"this CPU lacks {lacking} for {family}={name}")
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -244,9 +245,7 @@ def test_prefill_pv_variant_matches_oracle(variant: str, mask: str, monkeypatch)
     from tessera.backends.cpu import prefill
     from tests.attention.cases import check_against_oracle, seed_of, varlen_layout
 
-    lacking = isa.missing(next(v for v in variants.FAMILIES["prefill_pv"].variants if v.name == variant).requires)
-    if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for prefill_pv={variant}")
+    _runnable(variant, "prefill_pv")
     _force(monkeypatch, f"prefill_pv={variant}")
     assert prefill._bf16_pv(torch.bfloat16) == (variant != "fp32") and not prefill._bf16_pv(torch.float32)
     layout = varlen_layout([131, 77], [131, 2 * prefill.KV_TILE + 45], hq=6, hkv=2, d=64)
@@ -274,9 +273,7 @@ def test_qgemm_variant_matches_oracle(variant: str, fmt: str, group_size: int | 
     a NaN-poisoned output catches unwritten columns."""
     from tessera.backends.cpu.ops import quant as cpu_quant
 
-    lacking = isa.missing(next(v for v in variants.FAMILIES["qgemm"].variants if v.name == variant).requires)
-    if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for qgemm={variant}")
+    _runnable(variant, "qgemm")
     _force(monkeypatch, f"qgemm={variant}")
     monkeypatch.setenv("TESSERA_TUNE_QUANT_TILE_N", "256")
     k = 3 * (group_size or 32) + (64 if group_size is None else 0)

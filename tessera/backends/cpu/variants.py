@@ -52,6 +52,10 @@ class Family:
             raise ValueError(f"family {self.name!r}: the last variant must be portable (require no feature)")
 
 
+#: what the bf16 GEMM variants need: AMX tiles, or AVX-512 bf16 dot products (torch's oneDNN uses either)
+_AMX_BF16 = frozenset({"amx-tile", "amx-bf16"})
+_AVX512_BF16 = frozenset({"avx512bf16"})
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qgemv", "quantized matmul at decode shapes (packed int4 / int8 weights, M <= the GEMV row limit)", (
         Variant("vnni", frozenset({"avx2", "avxvnni"}),
@@ -64,19 +68,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 "float32 x: codes widened to float32 and FMA'd (exact weight-only semantics)"),
     )),
     Family("qgemm", "quantized matmul at prefill shapes (packed weights, more rows of x than the GEMV row limit)", (
-        Variant("amx_bf16", frozenset({"amx-tile", "amx-bf16"}),
+        Variant("amx_bf16", _AMX_BF16,
                 "each weight tile de-quantized to bf16 and multiplied with x rounded to bf16 by torch's bf16 GEMM "
                 "(oneDNN, AMX tiles; float32 accumulation, output rounded to bf16)"),
-        Variant("avx512_bf16", frozenset({"avx512bf16"}),
+        Variant("avx512_bf16", _AVX512_BF16,
                 "as amx_bf16, torch's bf16 GEMM on AVX512-BF16 dot products (VDPBF16PS)"),
         Variant("fp32", frozenset(), "weight tiles de-quantized to float32 and NumPy's BLAS sgemm (exact weight-only "
                 "semantics)"),
     )),
     Family("prefill_pv", "P.V product of the prefill tiles when K/V are stored in bfloat16", (
-        Variant("amx_bf16", frozenset({"amx-tile", "amx-bf16"}),
+        Variant("amx_bf16", _AMX_BF16,
                 "P rounded to bf16 and multiplied with the bf16 V tile by torch's bf16 GEMM (oneDNN, AMX tiles); "
                 "the tile's output accumulated in float32"),
-        Variant("avx512_bf16", frozenset({"avx512bf16"}),
+        Variant("avx512_bf16", _AVX512_BF16,
                 "as amx_bf16, torch's bf16 GEMM on AVX512-BF16 dot products (VDPBF16PS)"),
         Variant("fp32", frozenset(), "P and V in float32 through NumPy's BLAS sgemm, as for every other dtype"),
     )),
