@@ -148,24 +148,28 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     config = model.config
     t_count = int(step.token_ids.numel())
     if model.backend not in ("auto", "cpu") or t_count == 0 or t_count > SMALL_M or max(step.q_lens) != 1:
-        return None  # one query per sequence: the direct decode plan's rows are the output rows
+        return None  # one query per sequence: the layer's attention rows are the token rows
     if min(step.q_lens) != 1 or not ropes:
         return None
     prepared = _layer_views(model)
     if prepared is None:
         return None
     views, largest, isa = prepared
-    n_workers = _workers(t_count * largest)
-    states = {}
+    states, attention_parallel = {}, False
+    in_order = np.arange(t_count)
     for i in range(config.num_layers):
         key = config.layer_windows[i]
         if key not in states:
             backend, state = plan_for(i).backend_state(model.dtype, torch.device("cpu"))
             decode = getattr(state, "decode", None)
-            if (backend.name != "cpu" or decode is None or not decode.direct or not decode.serial or state.cascades
-                    or state.prefill_seqs or plan_for(i).spec.sinks is not None):
-                return None  # long contexts split over cores; shared prefixes use the cascade
-            states[key] = decode.arrays
+            if (backend.name != "cpu" or decode is None or state.cascades or state.prefill_seqs
+                    or plan_for(i).spec.sinks is not None or not np.array_equal(decode.q_start, in_order)):
+                return None  # shared prefixes use the cascade; sinks need the lse pass of the per-op path
+            states[key] = decode.layer_arrays
+            attention_parallel |= not decode.serial
+    # The attention runs inside the layer's region: a plan the planner would spread over the cores (a long context,
+    # a big batch) makes the layer parallel even when its GEMVs alone would not.
+    n_workers = max(numba.get_num_threads(), 1) if attention_parallel else _workers(t_count * largest)
     slots = step.slots.detach().to(torch.int64).numpy()
     if slots.min() < 0 or slots.max() >= cache.num_slots or np.unique(slots).size != slots.size:
         raise ValueError(f"forward_step: slots must be distinct and in [0, {cache.num_slots}), got {slots.tolist()}")

@@ -60,7 +60,7 @@ def _inputs(work: int) -> tuple[Callable[[], tuple], tuple[Any, ...], tuple[Any,
     layers = [tuple(_packed(n, k, gen) for n, k in projections) for _ in range(copies)]
     spec = tessera.attention.AttentionSpec(hq, hkv, HEAD_DIM, mask=tessera.attention.causal())
     batch = RaggedBatch((1,), (KEYS,))
-    with overriding("decode_serial_max_bytes", 1 << 62):  # the fused layer takes serial decode plans only
+    with overriding("decode_serial_max_bytes", 1 << 62):  # one item: the crossover is the GEMVs', not the attention's
         plan = decode.DecodePlan.build(batch, [0], spec, KVLayout.contiguous(batch))
     k_rows = torch.randn(KEYS, hkv, HEAD_DIM, generator=gen).numpy()
     v_rows = torch.randn(KEYS, hkv, HEAD_DIM, generator=gen).numpy()
@@ -71,7 +71,7 @@ def _inputs(work: int) -> tuple[Callable[[], tuple], tuple[Any, ...], tuple[Any,
     x = torch.randn(1, hidden, generator=gen).numpy()
     head = (x, x / np.sqrt(np.mean(x * x)))
     tail = (empty, empty, empty, ones, empty, ones, 0.0, 1e-5, 0, hq, np.array([KEYS - 1]), np.cos(angles),
-            np.sin(angles), k_rows, v_rows, np.array([KEYS - 1]), *plan.arrays)
+            np.sin(angles), k_rows, v_rows, np.array([KEYS - 1]), *plan.layer_arrays)
     return rotating(layers), head, tail
 
 

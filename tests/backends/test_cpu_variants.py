@@ -116,7 +116,7 @@ def test_activation_quantizer_matches_float64(gen: torch.Generator) -> None:
 # ------------------------------------------------------------------------------------------------ every variant
 @pytest.mark.parametrize("variant", QGEMV)
 @pytest.mark.parametrize("fmt,group_size", FORMATS)
-@pytest.mark.parametrize("m,n", [(0, 5), (1, 1), (1, 37), (3, 37), (8, 70)])
+@pytest.mark.parametrize("m,n", [(0, 5), (1, 1), (1, 37), (3, 37), (5, 37), (8, 70)])  # 4-row blocks + tails
 def test_qgemv_variant_matches_oracle(variant: str, fmt: str, group_size: int | None, m: int, n: int, monkeypatch,
                                       gen: torch.Generator) -> None:
     """The cpu qmatmul under each variant: int8-activation variants against the float64 product of their own
@@ -146,18 +146,19 @@ def test_qgemv_variant_matches_oracle(variant: str, fmt: str, group_size: int | 
 @pytest.mark.parametrize("variant", [v for v in QGEMV if v != "portable"])
 @pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
 def test_qgemv_kernels_write_every_output(variant: str, fmt: str, gen: torch.Generator) -> None:
-    """Raw kernels into a NaN-poisoned output, serial and parallel, rows not a multiple of 4 or of ROWS, long K."""
+    """Raw kernels into a NaN-poisoned output, serial and parallel, rows not a multiple of 4 or of ROWS, long K;
+    seven x rows: one block of four sharing each weight block, then three one at a time."""
     _runnable(variant)
     token = _qdot._TOKENS[variant]
     n, k = 2 * _qdot_kernels.ROWS + 3, 2048 + 32
     qw = Q.quantize(torch.randn(n, k, generator=gen), fmt, 32)
-    x = torch.randn(2, k, generator=gen)
+    x = torch.randn(7, k, generator=gen)
     want = qmatmul_f64(_qdot.quantized_activation(x), qw)
     for serial in (True, False):
         got = _qdot.qmatmul(x, qw, token, serial)
         assert not torch.isnan(got).any()
         assert_close_to_oracle(got, want, torch.float32, f"{variant} serial={serial}", reduction=True)
-    poisoned = np.full((2, n), np.nan, np.float32)
+    poisoned = np.full((7, n), np.nan, np.float32)
     xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
     if fmt == "int8":
         _qdot_kernels.gemv_int8(token, xq, xd, *_qdot.weight_arrays(qw), poisoned)

@@ -104,9 +104,33 @@ def test_fused_decode_declines_what_it_cannot_run(tmp_path, fused_calls, monkeyp
     forward_step(model, cache, _step({0: tokens}, {0: 9}, table))  # prefill: declined
     forward_step(model, cache, _step({0: tokens + [5]}, {0: 1}, table))  # decode: taken
     forward_step(model, cache, _step({0: tokens + [5, 6, 7]}, {0: 2}, table))  # two queries (verification): declined
-    monkeypatch.setattr(cpu_decode, "SERIAL_MAX_BYTES", 0)  # a context long enough to split over cores: declined
-    forward_step(model, cache, _step({0: tokens + [5, 6, 7, 8]}, {0: 1}, table))
-    assert fused_calls == [False, True, False, False]
+    assert fused_calls == [False, True, False]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_splits_long_contexts_over_items(dtype, tmp_path, fused_calls, workers, monkeypatch):
+    """A plan that spreads over the cores (each sequence cut into parts of a few keys, as a long context is) runs
+    inside the fused layer: the workers claim the parts, then merge each sequence's parts by log-sum-exp. Batches of
+    one and of three sequences of mixed lengths, a sliding window on every other layer (gemma3)."""
+    model = _model("gemma3", tmp_path, dtype)
+    monkeypatch.setattr(cpu_decode, "SERIAL_MAX_BYTES", 0)
+    monkeypatch.setattr(cpu_decode, "SEGMENT_TILE", 4)  # segments of 4 keys, parts of at least MIN_PART_KEYS
+    monkeypatch.setattr(cpu_decode, "MIN_PART_KEYS", 3)
+    gen = torch.Generator().manual_seed(9)
+    for lengths in ((13,), (13, 2, 9)):
+        seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate(lengths)}
+        tables = {0: [9, 2, 12, 5, 0, 15], 1: [3, 14, 7], 2: [1, 11, 6, 13]}
+        tables = {s: tables[s] for s in seqs}
+        caches = [new_cache(model, num_pages=16, page_size=PAGE) for _ in range(2)]
+        for cache in caches:
+            forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+        for _ in range(3):
+            step = _step({s: t + [(5 * s + len(t)) % 211] for s, t in seqs.items()}, {s: 1 for s in seqs}, tables)
+            fused = forward_step(model, caches[0], step)
+            per_op = forward_step(model, caches[1], step, fused=False)
+            torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
+            seqs = {s: t + [(5 * s + len(t)) % 211] for s, t in seqs.items()}
+    assert fused_calls == [True] * 6
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mixtral"])

@@ -240,6 +240,12 @@ class DecodePlan:
         return DecodePlan(arrays, seq_item_lo, seq_item_hi, q_start, q_len, len(item_seq),
                           spec.num_q_heads * int(q_len.max()), spec.head_dim, serial, direct)
 
+    @property
+    def layer_arrays(self) -> tuple:
+        """The plan as the fused decoder layer takes it (``decode_layer.decoder_layer_kernel``): :attr:`arrays`,
+        then each sequence's item range, which the layer needs to merge split sequences itself."""
+        return (*self.arrays, self.seq_item_lo, self.seq_item_hi)
+
     def run(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Write the planned sequences' rows of ``out`` / ``lse`` (float32, contiguous, without sinks).
 

@@ -9,8 +9,10 @@ rounding (LLVM may vectorize a fastmath reduction in another order where a row k
 between them is gone. Intermediates are rounded to the model's storage dtype exactly where the per-op path
 stores a tensor (a GEMV result, a bias add, a norm, RoPE, the attention output).
 
-The layer is nine phases: four GEMVs, whose output rows are split into chunks of :data:`CLAIM_ROWS`, and the small
-serial steps between them (input quantization, the attention block, residuals and norms, the gated activation).
+The layer is eleven phases: four GEMVs, whose output rows are split into chunks of :data:`CLAIM_ROWS`; the
+attention, whose work items (a sequence, or a part of a long one) and then sequences (merging the parts, preparing
+o's input row) are claimed the same way; and the small serial steps between them (input quantization, q/k norms,
+RoPE and the cache write, residuals and norms, the gated activation).
 With ``n_workers > 1`` the phases run inside *one* parallel region: every worker claims chunks from an atomic
 counter per phase and waits until the phase's chunks are all done before the next phase
 (:mod:`tessera.backends.cpu.atomics`). One region per layer, not one per GEMV, because waking the pool costs ~20 us
@@ -19,8 +21,9 @@ late (or never: a pool of one runs the iterations in turn) only finds less work;
 not claimed anything, so the kernel cannot deadlock whatever the thread count. A row's result does not depend on which
 worker computed it, so the output is the same for every ``n_workers``.
 
-:mod:`tessera.models.fused_decode` calls it when the attention plan is a serial, direct decode plan (short contexts,
-few sequences) and chooses ``n_workers`` from the step's work.
+:mod:`tessera.models.fused_decode` calls it for decode steps (one query per sequence) and chooses ``n_workers``
+from the step's work. The attention runs inside the region too: a batch of sequences, or one long context split
+into parts, spreads over the same workers without a second pool wake-up per layer.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from numba.core.errors import TypingError
 from numba.core.extending import overload
 
 from tessera.backends.cpu import atomics
-from tessera.backends.cpu.decode_kernel import decode_item
+from tessera.backends.cpu.decode_kernel import _merge_sequence, decode_item
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
 from tessera.backends.cpu.ops._int8_simd import IsaTokenType
@@ -50,7 +53,7 @@ CLAIM_ROWS = 128
 #: multiply-adds of a step's biggest GEMV from which the layer runs over all threads: the default of the
 #: ``fused_parallel_work`` tunable (:mod:`tessera.tuning.cpu_fused_layer` measures it)
 PARALLEL_WORK = 1 << 18
-_PHASES = 9
+_PHASES = 11
 
 
 def _kind(w, isa):
@@ -94,45 +97,49 @@ def _new_input_overload(x, w, isa):
     return portable_int4
 
 
-def _fill_input(x, w, isa, inp):  # pragma: no cover - replaced by the overload inside jitted code
+def _fill_input_row(x, w, isa, inp, m):  # pragma: no cover - replaced by the overload inside jitted code
     raise NotImplementedError
 
 
-@overload(_fill_input)
-def _fill_input_overload(x, w, isa, inp):
-    """Prepare storage ``x [T, K]`` for a projection, as the per-op path does before its GEMV: widened to float32
-    (``x.float()``), quantized to int8 per block of 32, or split into the low/high-nibble halves and group sums of the
-    portable int4 kernel."""
+@overload(_fill_input_row)
+def _fill_input_row_overload(x, w, isa, inp, m):
+    """Prepare row ``m`` of storage ``x [T, K]`` for a projection, as the per-op path does before its GEMV: widened
+    to float32 (``x.float()``), quantized to int8 per block of 32, or split into the low/high-nibble halves and group
+    sums of the portable int4 kernel. Row by row, so the attention phase can prepare each sequence's row as soon as
+    its attention is done."""
     kind = _kind(w, isa)
     if kind == 0:
-        def widened(x, w, isa, inp):
+        def widened(x, w, isa, inp, m):
             xf = inp[0]
-            for i in range(x.shape[0]):
-                for j in range(x.shape[1]):
-                    xf[i, j] = widen(x[i, j])
+            for j in range(x.shape[1]):
+                xf[m, j] = widen(x[m, j])
         return widened
     if kind == 1:
-        def quantized(x, w, isa, inp):
+        def quantized(x, w, isa, inp, m):
             xq, xd, xs = inp
-            for m in range(x.shape[0]):
-                quantize_row(x, m, xq, xd, xs)
+            quantize_row(x, m, xq, xd, xs)
         return quantized
 
-    def nibble_halves(x, w, isa, inp):
+    def nibble_halves(x, w, isa, inp, m):
         xlo, xhi, xsum = inp
         group = w[4]
-        t_count, k = x.shape
         half = group // 2
-        for m in range(t_count):
-            for g in range(k // group):
-                for j in range(half):
-                    xlo[m, g * half + j] = widen(x[m, g * group + j])
-                    xhi[m, g * half + j] = widen(x[m, g * group + half + j])
-                total = np.float32(0.0)
-                for j in range(group):
-                    total += widen(x[m, g * group + j])
-                xsum[m, g] = total
+        for g in range(x.shape[1] // group):
+            for j in range(half):
+                xlo[m, g * half + j] = widen(x[m, g * group + j])
+                xhi[m, g * half + j] = widen(x[m, g * group + half + j])
+            total = np.float32(0.0)
+            for j in range(group):
+                total += widen(x[m, g * group + j])
+            xsum[m, g] = total
     return nibble_halves
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _fill_input(x, w, isa, inp):  # pragma: no cover - compiled
+    """Every row of ``x`` prepared for a projection (:func:`_fill_input_row`)."""
+    for m in range(x.shape[0]):
+        _fill_input_row(x, w, isa, inp, m)
 
 
 def _project_rows(inp, w, b, acc, out, isa, lo, hi):  # pragma: no cover - replaced by the overload
@@ -258,13 +265,10 @@ def _norm_rows(x, w, w_offset, eps):  # pragma: no cover - compiled
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _attention_block(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, plan, qf,
-                     att_s):  # pragma: no cover - compiled
+def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots,
+                      qf):  # pragma: no cover - compiled
     """qkv ``[T, (Hq + 2 Hkv) D]`` split into q, k, v; q/k norm; RoPE; k and v written to the cache rows ``slots``;
-    attention of each token over its sequence's cached keys (one decode item per sequence); the result rounded to
-    storage into ``att_s [T, Hq D]``. ``qf`` is float32 ``[T, Hq, D]`` scratch."""
-    (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end,
-     seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes) = plan
+    the queries widened into ``qf`` float32 ``[T, Hq, D]`` for the decode items."""
     t_count = qkv.shape[0]
     hq = qf.shape[1]
     hkv = k_rows.shape[1]
@@ -294,16 +298,50 @@ def _attention_block(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin
         for a in range(hq):
             for e in range(d):
                 qf[t, a, e] = widen(q[t, a, e])
-    att = np.empty((t_count, hq, d), dtype=np.float32)
-    lse = np.empty((t_count, hq), dtype=np.float32)
-    for item in range(item_seq.shape[0]):
-        decode_item(item, qf, k_rows, v_rows, att, lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start,
-                     seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride,
-                     mask_buf, scale, softcap, slopes, item + 1 if item + 1 < item_seq.shape[0] else -1)
-    for t in range(t_count):
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, plan):  # pragma: no cover
+    """Claim the plan's work items (a whole sequence, or one part of a long one split over the workers) until none
+    is left, each into its own rows of ``part_out [items, Hq, D]`` / ``part_lse [items, Hq]``; then wait for the
+    rest."""
+    (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end,
+     seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi) = plan
+    n_items = item_seq.shape[0]
+    while True:
+        item = atomics.fetch_add(sync, 2 * phase, 1)
+        if item >= n_items:
+            break
+        decode_item(item, qf, k_rows, v_rows, part_out, part_lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start,
+                    seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride,
+                    mask_buf, scale, softcap, slopes, item + 1 if item + 1 < n_items else -1)
+        atomics.fetch_add(sync, 2 * phase + 1, 1)
+    _wait(sync, phase, n_items)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, plan, att_s, o_w, isa, o_in):  # pragma: no cover
+    """Claim sequences until none is left: merge a split sequence's parts by log-sum-exp into ``att [T, Hq, D]``,
+    round its token's row to storage into ``att_s [T, Hq D]`` and prepare that row as the o projection's input."""
+    seq_q_start, seq_q_len, seq_item_lo, seq_item_hi = plan[3], plan[4], plan[16], plan[17]
+    n_seqs = seq_q_len.shape[0]
+    hq, d = att.shape[1], att.shape[2]
+    while True:
+        s = atomics.fetch_add(sync, 2 * phase, 1)
+        if s >= n_seqs:
+            break
+        t = seq_q_start[s]  # one query per sequence: its token
+        if seq_item_hi[s] - seq_item_lo[s] == 1:
+            src = part_out[seq_item_lo[s]]
+        else:
+            _merge_sequence(s, part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, att, lse)
+            src = att[t]
         for a in range(hq):
             for e in range(d):
-                att_s[t, a * d + e] = narrow(att[t, a, e], qkv)
+                att_s[t, a * d + e] = narrow(src[a, e], att_s)
+        _fill_input_row(att_s, o_w, isa, o_in, t)
+        atomics.fetch_add(sync, 2 * phase + 1, 1)
+    _wait(sync, phase, n_seqs)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -313,7 +351,8 @@ def _layer_worker(x, h, weights, norms, w_offset, eps, act_kind, positions, cos,
     ``claim_rows``: GEMV output rows per claim (a single worker claims each GEMV whole)."""
     qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b = weights
     q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w = norms
-    qkv_in, qkv_acc, qkv, o_in, o_acc, a_out, gu_in, gu_acc, gu, act, down_in, down_acc, m, att_s, h2, qf = bufs
+    (qkv_in, qkv_acc, qkv, o_in, o_acc, a_out, gu_in, gu_acc, gu, act, down_in, down_acc, m, att_s, h2, qf,
+     part_out, part_lse, att, lse) = bufs
     t_count = x.shape[0]
     # --- qkv projection
     if _claim_serial(sync, 0):
@@ -321,39 +360,40 @@ def _layer_worker(x, h, weights, norms, w_offset, eps, act_kind, positions, cos,
         _finish_serial(sync, 0)
     _wait(sync, 0, 1)
     _rows_phase(sync, 1, qkv_in, qkv_w, qkv_b, qkv_acc, qkv, isa, claim_rows)
-    # --- split, q/k norm, RoPE, cache write, attention over the paged cache (one item per sequence), o's input
+    # --- split, q/k norm, RoPE, cache write; attention over the paged cache, item by item over the workers; each
+    # sequence's parts merged, rounded and prepared as o's input
     if _claim_serial(sync, 2):
-        _attention_block(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, plan,
-                         qf, att_s)
-        _fill_input(att_s, o_w, isa, o_in)
+        _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, qf)
         _finish_serial(sync, 2)
     _wait(sync, 2, 1)
-    _rows_phase(sync, 3, o_in, o_w, o_b, o_acc, a_out, isa, claim_rows)
+    _attention_items_phase(sync, 3, qf, k_rows, v_rows, part_out, part_lse, plan)
+    _attention_rows_phase(sync, 4, part_out, part_lse, att, lse, plan, att_s, o_w, isa, o_in)
+    _rows_phase(sync, 5, o_in, o_w, o_b, o_acc, a_out, isa, claim_rows)
     # --- post-attention norm, residual + MLP norm, gate/up projection
-    if _claim_serial(sync, 4):
+    if _claim_serial(sync, 6):
         a_res = _norm_rows(a_out, post_attn_w, w_offset, eps) if post_attn_w.shape[0] > 0 else a_out
         for i in range(t_count):
             _rms_norm_row(a_res, x, mlp_norm_w, w_offset, eps, h2, x, i, True)
         _fill_input(h2, gate_up_w, isa, gu_in)
-        _finish_serial(sync, 4)
-    _wait(sync, 4, 1)
-    _rows_phase(sync, 5, gu_in, gate_up_w, gate_up_b, gu_acc, gu, isa, claim_rows)
+        _finish_serial(sync, 6)
+    _wait(sync, 6, 1)
+    _rows_phase(sync, 7, gu_in, gate_up_w, gate_up_b, gu_acc, gu, isa, claim_rows)
     # --- gated activation, down projection
-    if _claim_serial(sync, 6):
+    if _claim_serial(sync, 8):
         chunks = (act.shape[1] + ACT_CHUNK - 1) // ACT_CHUNK
         for item in range(t_count * chunks):
             _act_and_mul_item(gu, act, act_kind, item, chunks)
         _fill_input(act, down_w, isa, down_in)
-        _finish_serial(sync, 6)
-    _wait(sync, 6, 1)
-    _rows_phase(sync, 7, down_in, down_w, down_b, down_acc, m, isa, claim_rows)
+        _finish_serial(sync, 8)
+    _wait(sync, 8, 1)
+    _rows_phase(sync, 9, down_in, down_w, down_b, down_acc, m, isa, claim_rows)
     # --- post-MLP norm, residual + the next layer's norm
-    if _claim_serial(sync, 8):
+    if _claim_serial(sync, 10):
         m_res = _norm_rows(m, post_mlp_w, w_offset, eps) if post_mlp_w.shape[0] > 0 else m
         for i in range(t_count):
             _rms_norm_row(m_res, x, next_norm_w, w_offset, eps, h, x, i, True)
-        _finish_serial(sync, 8)
-    _wait(sync, 8, 1)
+        _finish_serial(sync, 10)
+    _wait(sync, 10, 1)
 
 
 def _n_out(w):  # pragma: no cover - replaced by the overload inside jitted code
@@ -404,9 +444,9 @@ def _layer_flat(
     dw0, dw1, dw2, dw3, dw4, down_b, q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
     w_offset, eps, act_kind, positions, cos, sin, k_rows, v_rows, slots,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi,
     isa, qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-    di0, di1, di2, down_acc, m, att_s, h2, qf, sync, claim_rows,
+    di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync, claim_rows,
 ):  # pragma: no cover - compiled
     """:func:`_layer_worker` with every tuple taken apart (see :func:`_flat`), for the parallel region, which can
     only pass plain values; it rebuilds the tuples with the types the serial kernel passes, so both share one
@@ -417,14 +457,15 @@ def _layer_flat(
         (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
         positions, cos, sin, k_rows, v_rows, slots,
         (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
-         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
+         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi),
         isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
-              (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, claim_rows)
+              (di0, di1, di2), down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse), sync, claim_rows)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, isa):  # pragma: no cover - compiled
-    """The layer's intermediates, the prepared inputs of its four projections and the zeroed phase counters."""
+def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, n_items, isa):  # pragma: no cover - compiled
+    """The layer's intermediates, the prepared inputs of its four projections, the attention items' partial
+    results and the zeroed phase counters."""
     t_count = x.shape[0]
     n_qkv, n_o, n_gu, n_down = _n_out(qkv_w), _n_out(o_w), _n_out(gate_up_w), _n_out(down_w)
     att_s = np.empty((t_count, hq * d), dtype=x.dtype)
@@ -436,6 +477,8 @@ def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, isa):  # pragma: no cov
     gu_acc, gu = np.empty((t_count, n_gu), dtype=np.float32), np.empty((t_count, n_gu), dtype=x.dtype)
     down_acc, m = np.empty((t_count, n_down), dtype=np.float32), np.empty((t_count, n_down), dtype=x.dtype)
     qf = np.empty((t_count, hq, d), dtype=np.float32)
+    part_out, part_lse = np.empty((n_items, hq, d), dtype=np.float32), np.empty((n_items, hq), dtype=np.float32)
+    att, lse = np.empty((t_count, hq, d), dtype=np.float32), np.empty((t_count, hq), dtype=np.float32)
     qi0, qi1, qi2 = _new_input(h, qkv_w, isa)
     oi0, oi1, oi2 = _new_input(att_s, o_w, isa)
     gi0, gi1, gi2 = _new_input(h2, gate_up_w, isa)
@@ -444,7 +487,7 @@ def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, isa):  # pragma: no cov
     for i in range(2 * _PHASES):  # not np.zeros: in a parallel=True function that becomes a parallel fill, which
         sync[i] = 0  # wakes the thread pool on every call
     return (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-            di0, di1, di2, down_acc, m, att_s, h2, qf, sync)
+            di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -457,12 +500,12 @@ def _serial_layer(
     k_rows, v_rows, slots,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
-    isa,
+    seq_item_lo, seq_item_hi, isa,
 ):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` on the calling thread (each GEMV claimed whole)."""
     (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-     di0, di1, di2, down_acc, m, att_s, h2, qf, sync) = _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads,
-                                                                 k_rows.shape[2], isa)
+     di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync) = _buffers(
+        x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads, k_rows.shape[2], item_seq.shape[0], isa)
     # Straight to _layer_worker (one compiled level fewer than through _layer_flat: each level re-optimizes the code
     # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
     # _layer_worker a second time for the parallel kernel's call (~30 s).
@@ -471,9 +514,9 @@ def _serial_layer(
         (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), np.float32(w_offset),
         np.float32(eps), act_kind, positions, cos, sin, k_rows, v_rows, slots,
         (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
-         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes),
+         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi),
         isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
-              (di0, di1, di2), down_acc, m, att_s, h2, qf), sync, np.int64(1 << 30))
+              (di0, di1, di2), down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse), sync, np.int64(1 << 30))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -486,12 +529,12 @@ def _parallel_layer(
     k_rows, v_rows, slots,
     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
-    isa, n_workers,
+    seq_item_lo, seq_item_hi, isa, n_workers,
 ):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` as ``n_workers`` workers in one parallel region."""
     (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-     di0, di1, di2, down_acc, m, att_s, h2, qf, sync) = _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads,
-                                                                 k_rows.shape[2], isa)
+     di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync) = _buffers(
+        x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads, k_rows.shape[2], item_seq.shape[0], isa)
     qw0, qw1, qw2, qw3, qw4 = _flat(qkv_w)
     ow0, ow1, ow2, ow3, ow4 = _flat(o_w)
     gw0, gw1, gw2, gw3, gw4 = _flat(gate_up_w)
@@ -506,8 +549,9 @@ def _parallel_layer(
                     positions, cos, sin, k_rows, v_rows, slots,
                     item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
                     seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
+                    seq_item_lo, seq_item_hi,
                     isa, qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-                    di0, di1, di2, down_acc, m, att_s, h2, qf, sync, claim_rows)
+                    di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync, claim_rows)
 
 
 def decoder_layer_kernel(*args) -> None:
@@ -523,7 +567,8 @@ def decoder_layer_kernel(*args) -> None:
     w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. eps. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
     num_q_heads. positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
     k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
-    K/V go. Then a direct, serial :class:`tessera.backends.cpu.decode.DecodePlan`'s arrays.
+    K/V go. Then :attr:`tessera.backends.cpu.decode.DecodePlan.layer_arrays` of a plan with one query per sequence,
+    sequences in token order (split or not: the workers claim its items, then merge each sequence's parts).
     isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
     portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
     ``_typeof_token`` for what a token inside a tuple costs at every call.
