@@ -11,6 +11,8 @@ tunable                       what it decides                                   
 ``decode_serial_max_bytes``   K+V bytes (as float32) below which a decode step runs serially      decode.py
 ``fused_parallel_work``       multiply-adds of a step's biggest GEMV from which the fused decode   decode_layer
                               layer runs over all threads (:mod:`.cpu_fused_layer`)
+``qgemv_variant``             which int8-activation GEMV variant runs the packed projections       variants.py
+                              (``auto``: the ISA order)
 ============================  ==================================================================  ============
 
 Each default is the module constant the code used before (measured on one 2-core AMD EPYC). The measurements use
@@ -34,7 +36,7 @@ import torch
 
 import tessera.attention  # noqa: F401  (before tessera.backends: see tessera/cli.py's note on the import cycle)
 from tessera.backends.base import KVLayout, RaggedBatch
-from tessera.backends.cpu import decode
+from tessera.backends.cpu import decode, variants
 from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import quant
 from tessera.bench.harness import copies_for, rotating
@@ -176,6 +178,20 @@ def _tiles_path(m: int, fmt: str | None) -> float:
     return _time_quant_path(quant._gemm_tiled, fmt or "int4", m)
 
 
+#: rows of x the qgemv variants are timed at: a batch-1 decode step and a full batch of eight
+VARIANT_ROWS = (1, 8)
+
+
+def _measure_qgemv_variant(name: str, shape_class: str | None) -> float:
+    """One pass of the quantized GEMV over the workload's projections, at each of :data:`VARIANT_ROWS`, in each of
+    its packed formats (Q4_1-style int4_min and Q8_0-style int8 when the workload does not say), with variant
+    ``name`` in effect."""
+    formats = workload().formats or ("int4_min", "int8")
+    with overriding("qgemv_variant", name):
+        return sum(_time_quant_path(quant._gemv, fmt, m) for fmt in formats if fmt != "fp8_e4m3"
+                   for m in VARIANT_ROWS)
+
+
 def _measure_tile_n(tile_n: int, shape_class: str | None) -> float:
     with overriding("quant_tile_n", tile_n):
         return _time_quant_path(quant._gemm_tiled, "int4", TILE_ROWS)
@@ -277,6 +293,14 @@ def _register_all() -> None:
                             names=("serial", "split-KV parallel")),
     ), replace=True)
     cpu_fused_layer.register_all()
+    # Only the variants this CPU runs are candidates, so a cache file never names one it cannot execute; one that
+    # does anyway (a copied file) is ignored by variants.choose. The portable float kernels never win: not timed.
+    runnable = tuple(v for v in variants.available("qgemv") if v != variants.PORTABLE)
+    register(Tunable(
+        "qgemv_variant", variants.AUTO, (variants.AUTO, *runnable), _measure_qgemv_variant,
+        doc="Which int8-activation GEMV variant runs the packed projections (decode and short prompts): 'auto' "
+            "keeps the ISA order (VNNI before AVX2); a variant name, the one timed fastest on this machine.",
+    ), replace=True)
 
 
 def release_inputs() -> None:

@@ -94,6 +94,41 @@ def test_forcing(monkeypatch) -> None:
         variants.choose("qgemv")
 
 
+
+def test_a_tuned_variant_is_taken_where_the_cpu_runs_it(monkeypatch) -> None:
+    """``tessera tune`` may find a variant below the ISA order's pick faster (AVX2 on Zen 4): ``qgemv_variant``
+    makes it the choice, ``tessera info`` says why, the environment still wins, and a name the CPU cannot run leaves
+    the ISA order in charge."""
+    from tessera.tuning import overriding
+
+    _fake_features(monkeypatch, {"avx2", "avx512vnni", "avx512vl"})
+    assert variants.choose("qgemv").name == "vnni512"
+    with overriding("qgemv_variant", "avx2"):
+        assert variants.choose("qgemv").name == "avx2"
+        row = next(r for r in variants.explain() if r["family"] == "qgemv")
+        assert row["chosen"] == "avx2" and row["why"].startswith("tuned") and "vnni512" in row["why"]
+        assert row["passed_over"] == ["vnni: lacks ['avxvnni']", "vnni512: slower here (tuned)"]
+        _force(monkeypatch, "qgemv=vnni512")
+        assert variants.choose("qgemv").name == "vnni512"
+        monkeypatch.delenv("TESSERA_CPU_VARIANTS")
+    with overriding("qgemv_variant", "vnni"):  # needs AVX-VNNI, which this (faked) CPU lacks
+        assert variants.choose("qgemv").name == "vnni512"
+    with overriding("qgemv_variant", "avx3"), pytest.raises(ValueError, match="expected 'auto' or one of"):
+        variants.choose("qgemv")
+    with overriding("qgemv_variant", variants.AUTO):
+        assert variants.choose("qgemv").name == "vnni512"
+
+
+def test_the_tuned_variant_reaches_the_kernels(monkeypatch) -> None:
+    """The token the packed matmul runs follows the tuned choice (its cache is keyed by it)."""
+    from tessera.tuning import overriding
+
+    _runnable("avx2")
+    assert _qdot.chosen_token() is _qdot._TOKENS[variants.available("qgemv")[0]]
+    with overriding("qgemv_variant", "avx2"):
+        assert _qdot.chosen_token() is _qdot._TOKENS["avx2"]
+    assert _qdot.chosen_token() is _qdot._TOKENS[variants.available("qgemv")[0]]
+
 # ------------------------------------------------------------------------------------------------ the quantizer
 def test_activation_quantizer_matches_float64(gen: torch.Generator) -> None:
     x = torch.randn(5, 160, generator=gen) * torch.rand(5, 1, generator=gen).add(0.01)

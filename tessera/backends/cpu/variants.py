@@ -10,6 +10,12 @@ variant this machine can execute and a user can rule one out:
 
 Forcing a variant whose features are missing is an error that names them. :func:`explain` is what ``tessera info``
 prints: per family, the chosen variant and why, and why each better one was passed over.
+
+The ISA order is a guess about speed, not a measurement: on Zen 4 the two-instruction AVX2 dot product runs as fast
+as ``VPDPBUSD`` or up to 10% faster. So a family listed in :data:`TUNED` also has a tunable,
+``<family>_variant`` (:mod:`tessera.tuning.cpu`), that ``tessera tune`` sets to the variant it measured fastest on
+this machine; unforced, :func:`choose` takes that one when the CPU can run it. Its default, ``auto``, keeps the ISA
+order. The environment variable still wins over the tuned choice.
 """
 
 from __future__ import annotations
@@ -91,6 +97,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 PORTABLE = "portable"
+#: families whose variant ``tessera tune`` may choose by timing (the tunable ``<family>_variant``)
+TUNED = ("qgemv",)
+#: the tunable's value that keeps the ISA order
+AUTO = "auto"
 
 
 def _forced() -> dict[str, str]:
@@ -113,7 +123,21 @@ def _forced() -> dict[str, str]:
     return forced
 
 
-def _pick(family: Family, forced: str | None) -> tuple[Variant, str]:
+def tuned_preference(family: str) -> str:
+    """The variant ``tessera tune`` chose for ``family`` on this machine, or :data:`AUTO`."""
+    if family not in TUNED:
+        return AUTO
+    from tessera.tuning import tuned  # not at import: the tuning modules import the cpu backend
+
+    value = tuned(f"{family}_variant", None, AUTO)
+    names = [v.name for v in FAMILIES[family].variants]
+    if value != AUTO and value not in names:
+        raise ValueError(f"{family}_variant = {value!r} (TESSERA_TUNE_{family.upper()}_VARIANT or the tuning cache): "
+                         f"expected {AUTO!r} or one of {names}")
+    return value
+
+
+def _pick(family: Family, forced: str | None, preferred: str = AUTO) -> tuple[Variant, str]:
     if forced is not None:
         variant = next(v for v in family.variants if v.name == forced)
         lacking = isa.missing(variant.requires)
@@ -122,6 +146,11 @@ def _pick(family: Family, forced: str | None) -> tuple[Variant, str]:
                                f"this CPU ({isa.host_cpu_name()}, TESSERA_ISA={isa.cap()}) lacks them. Choose one "
                                f"of {available(family.name)}")
         return variant, "forced by TESSERA_CPU_VARIANTS"
+    best = next(v for v in family.variants if not isa.missing(v.requires))
+    if preferred != AUTO and preferred != best.name:
+        variant = next(v for v in family.variants if v.name == preferred)  # a known name: tuned_preference checks
+        if not isa.missing(variant.requires):
+            return variant, f"tuned: `tessera tune` timed it faster here than {best.name} (the ISA order's pick)"
     for variant in family.variants:
         if not isa.missing(variant.requires):
             why = f"needs {sorted(variant.requires)}, all present" if variant.requires else "needs nothing"
@@ -145,12 +174,13 @@ def reset() -> None:
 
 def choose(family: str) -> Variant:
     """The variant of ``family`` to run here (cached per environment setting; a dict lookup after the first call)."""
-    key = (family, os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""))
+    if family not in FAMILIES:
+        raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
+    preferred = tuned_preference(family)
+    key = (family, os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""), preferred)
     hit = _CHOICE.get(key)
     if hit is None:
-        if family not in FAMILIES:
-            raise KeyError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
-        hit = _pick(FAMILIES[family], _forced().get(family))[0]
+        hit = _pick(FAMILIES[family], _forced().get(family), preferred)[0]
         _CHOICE[key] = hit
     return hit
 
@@ -165,13 +195,14 @@ def explain() -> list[dict[str, object]]:
     forced = _forced()
     rows = []
     for name, family in FAMILIES.items():
-        variant, why = _pick(family, forced.get(name))
+        variant, why = _pick(family, forced.get(name), tuned_preference(name))
         passed = []
         for better in family.variants:
             if better is variant:
                 break
             lacking = isa.missing(better.requires)
-            passed.append(f"{better.name}: lacks {lacking}" if lacking else f"{better.name}: not forced")
+            passed.append(f"{better.name}: lacks {lacking}" if lacking else
+                          f"{better.name}: {'not forced' if name in forced else 'slower here (tuned)'}")
         rows.append({"family": name, "chosen": variant.name, "why": why, "passed_over": passed,
                      "summary": variant.summary, "available": available(name)})
     return rows

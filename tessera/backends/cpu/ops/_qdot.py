@@ -30,7 +30,8 @@ def chosen_token() -> IsaToken | None:
     on CPUs that have the instruction, so a machine without it cannot test them, and a wrong result there would
     otherwise go unnoticed. A variant that fails is replaced by the next one this CPU runs, with a warning.
     """
-    key = (os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""), variants.generation)
+    key = (os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""), variants.generation,
+           variants.tuned_preference("qgemv"))  # what `tessera tune` chose: a memoized lookup
     if key in _CHOSEN:  # the hot path: a dict lookup (qmatmul asks on every call)
         return _CHOSEN[key]
     names = variants.available("qgemv")
