@@ -9,7 +9,7 @@ import torch
 from tessera.bench.harness import Case
 from tessera.kernels.norms import rms_norm
 
-#: names of cases to slow down deliberately (a 3 ms sleep on a ~0.1 ms kernel)
+#: names of cases to slow down deliberately (8 ms of sleep instead of 2)
 SLOW: set[str] = set()
 
 
@@ -18,8 +18,10 @@ def cases(quick: bool):
 
     def make(name: str):
         def run():
-            if name in SLOW:
-                time.sleep(0.003)
+            # Every case sleeps, so its time is the sleep's, not a ~0.1 ms kernel's: on a busy 2-core VM the bare
+            # kernel's time moved by more than the compare threshold between two runs, and the control case was
+            # flagged as a regression.
+            time.sleep(0.008 if name in SLOW else 0.002)
             return rms_norm(x, w, 1e-6, backend="cpu")
         return run
 
