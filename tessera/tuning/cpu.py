@@ -11,6 +11,7 @@ tunable                       what it decides                                   
 ``decode_serial_max_bytes``   K+V bytes (as float32) below which a decode step runs serially      decode.py
 ``fused_parallel_work``       multiply-adds of a step's biggest GEMV from which the fused decode   decode_layer
                               layer runs over all threads (:mod:`.cpu_fused_layer`)
+``prefill_q_tile``            query positions per prefill attention tile (BLAS path)              prefill.py
 ``qgemv_variant``             which int8-activation GEMV variant runs the packed projections       variants.py
                               (``auto``: the ISA order)
 ============================  ==================================================================  ============
@@ -36,7 +37,7 @@ import torch
 
 import tessera.attention  # noqa: F401  (before tessera.backends: see tessera/cli.py's note on the import cycle)
 from tessera.backends.base import KVLayout, RaggedBatch
-from tessera.backends.cpu import decode, variants
+from tessera.backends.cpu import decode, prefill, variants
 from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import quant
 from tessera.bench.harness import copies_for, rotating
@@ -197,6 +198,35 @@ def _measure_tile_n(tile_n: int, shape_class: str | None) -> float:
         return _time_quant_path(quant._gemm_tiled, "int4", TILE_ROWS)
 
 
+# ------------------------------------------------------------------------------------------------- prefill tiles
+
+#: prompt length the prefill tile size is timed at (``--quick``: the first)
+PREFILL_LEN = (512, 2048)
+
+
+@functools.lru_cache(maxsize=1)
+def _prefill_inputs(length: int, shape: tuple[int, int, int]) -> tuple[Any, ...]:
+    from tessera.attention import AttentionSpec, causal
+
+    hq, hkv, d = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(length, h, d, generator=gen) for h in (hq, hkv, hkv))
+    batch = RaggedBatch((length,), (length,))
+    spec = AttentionSpec(hq, hkv, d, mask=causal())
+    return q, k, v, batch, KVLayout.contiguous(batch), spec, torch.empty(length, hq, d), torch.empty(length, hq)
+
+
+def _measure_q_tile(q_tile: int, shape_class: str | None) -> float:
+    """One causal fp32 prefill of the workload's attention shape with ``q_tile`` query positions per tile."""
+    w = workload()
+    length = PREFILL_LEN[0] if search.options().quick else PREFILL_LEN[1]
+    q, k, v, batch, layout, spec, out, lse = _prefill_inputs(length, (w.num_q_heads, w.num_kv_heads, w.head_dim))
+    with overriding("prefill_q_tile", q_tile):
+        start = time.perf_counter()
+        prefill.prefill_attention(q, k, v, batch, layout, [0], spec, out, lse)
+        return time.perf_counter() - start
+
+
 # ------------------------------------------------------------------------------------------------------- float GEMV
 
 #: multiply-adds of one GEMV (M = 1, N x K) the serial / parallel crossover is timed at
@@ -292,6 +322,11 @@ def _register_all() -> None:
         crossover=Crossover(_decode_path(True), _decode_path(False), inclusive=False, unit="bytes",
                             names=("serial", "split-KV parallel")),
     ), replace=True)
+    register(Tunable(
+        "prefill_q_tile", prefill.Q_TILE, (64, 128, 256), _measure_q_tile,
+        doc="Query positions per tile of the BLAS prefill attention: bigger tiles make bigger GEMMs and fewer "
+            "tasks, smaller ones skip more of a causal mask's empty corner.",
+    ), replace=True)
     cpu_fused_layer.register_all()
     # Only the variants this CPU runs are candidates, so a cache file never names one it cannot execute; one that
     # does anyway (a copied file) is ignored by variants.choose. The portable float kernels never win: not timed.
@@ -305,7 +340,7 @@ def _register_all() -> None:
 
 def release_inputs() -> None:
     """Free the measurement inputs (a few hundred MB while a run of ``tessera tune`` holds them)."""
-    for fn in (_quant_inputs, _float_inputs, _decode_inputs):
+    for fn in (_quant_inputs, _float_inputs, _decode_inputs, _prefill_inputs):
         fn.cache_clear()
     cpu_fused_layer.release_inputs()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from numba import njit
 
-from tessera.attention import AttentionSpec, attention, causal, sliding_window
+from tessera.attention import AttentionSpec, attention, causal, sliding_window, varlen_attention
 from tessera.attention.tiles import EMPTY, FULL, PARTIAL
 from tessera.backends.cpu.numba_math import FASTMATH, fast_exp, row_max, widen
 from tessera.backends.cpu.prefill import kv_runs
@@ -114,4 +114,21 @@ def test_prefill_restores_thread_settings_and_agrees_across_thread_counts(thread
     finally:
         torch.set_num_threads(previous)
     ref = attention(q, k.contiguous(), v.contiguous(), spec, backend="reference")  # float64 inside
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("q_tile", [48, 64, 128, 256])
+def test_every_prefill_q_tile_matches_the_reference(q_tile: int) -> None:
+    """The ``prefill_q_tile`` candidates (and an odd size, not a power of two) against the float64 reference:
+    a sliding window and a ragged batch whose prompts end inside a tile, with prefix keys before the queries."""
+    from tessera.tuning import overriding
+
+    gen = torch.Generator().manual_seed(3)
+    spec = AttentionSpec(6, 2, 32, mask=causal() & sliding_window(150))
+    q_lens, kv_lens = (300, 1, 77), (300, 40, 200)
+    q = torch.randn(sum(q_lens), 6, 32, generator=gen)
+    k, v = (torch.randn(sum(kv_lens), 2, 32, generator=gen) for _ in range(2))
+    with overriding("prefill_q_tile", q_tile):
+        out = varlen_attention(q, k, v, q_lens, kv_lens, spec, backend="cpu")
+    ref = varlen_attention(q, k, v, q_lens, kv_lens, spec, backend="reference")
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-5)

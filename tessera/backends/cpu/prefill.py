@@ -41,9 +41,13 @@ from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.kv_gather import gather_heads
 from tessera.backends.cpu.softmax_kernel import online_softmax_tile
+from tessera.tuning import tuned
 
-#: Query positions per tile; with G query heads per KV head the GEMM has G * Q_TILE rows.
-Q_TILE = 64
+#: Query positions per tile (the default of the ``prefill_q_tile`` tunable); with G query heads per KV head the GEMM
+#: has G * Q_TILE rows. 128 rather than 64: bigger GEMMs, fewer tasks. Zen 4 (2026-12-02, 2 threads, causal, best of
+#: 3): 32/8 heads D=128 fp32 S=4096 1016 against 1133-1161 ms (SDPA 1161-1183), S=1024 113 vs 126 ms; bf16 S=4096
+#: 933 vs 1023; SmolLM2's 9/3 D=64 at S=512 6 vs 11 ms. Not measured on Zen 3, where `tessera tune` decides.
+Q_TILE = 128
 #: Longest kv run per GEMM.
 KV_TILE = 512
 #: Tiles are classified at this finer kv granularity, then consecutive visited tiles merge into runs of up to KV_TILE
@@ -141,7 +145,7 @@ def _prepare(q, k_rows, v_rows, batch: RaggedBatch, layout: KVLayout, s: int, sp
     or contiguous rows; ``kv_gather.py``), and classify its tiles."""
     qs, ql, kl = batch.q_starts[s], batch.q_lens[s], batch.kv_lens[s]
     rows = layout.rows(s, kl)
-    q_lo, q_hi = tile_bounds(kl - ql, kl, Q_TILE)
+    q_lo, q_hi = tile_bounds(kl - ql, kl, tuned("prefill_q_tile", None, Q_TILE))
     kv_lo, kv_hi = tile_bounds(0, kl, KV_CLASSIFY_TILE)
     v = gather_heads(v_rows, rows)
     return _Sequence(
