@@ -15,6 +15,7 @@ import statistics
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as tessera/__init__.py, before torch loads OpenMP
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # the bounded spin between a step's layers (tessera/__init__.py)
 
 import tessera.backends.cpu.ops._qdot_kernels as qdot_kernels  # noqa: E402
 import tessera.models.fused_decode as fused_decode  # noqa: E402

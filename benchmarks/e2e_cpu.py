@@ -51,6 +51,7 @@ from typing import Any
 # must be set before torch loads its OpenMP runtime (see kernels_cpu.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # OpenBLAS threads: sleep, not spin (tessera/__init__.py)
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # the bounded spin between a step's layers (tessera/__init__.py)
 # transformers' GGUF de-quantization bar is a raw tqdm that ignores its logging switch; tqdm reads this at import.
 os.environ.setdefault("TQDM_DISABLE", "1")
 

@@ -10,6 +10,7 @@ import sys
 # waiting must be chosen before the OpenMP runtime loads, i.e. before torch is imported.
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "0")  # not tessera's bounded spin: two test workers share the cores
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # the same for OpenBLAS's threads (tessera/__init__.py)
 
 # Kernel thresholds take their defaults, whatever `tessera tune` cached on this machine: tests that pick a code path

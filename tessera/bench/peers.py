@@ -36,7 +36,8 @@ MISSING_HINT = ("llama.cpp peers are not built. Build them with `make peers` (ll
 #: and must not reach llama.cpp: its OpenMP threads spin-wait between graph launches by default, and a passive wait
 #: policy makes each token wake sleeping threads. Measured on Zen 4 (2026-12-02, SmolLM2 Q4_1, ``llama-bench -t 2``):
 #: tg64 122.4 tok/s as launched from a shell, 39.2 with ``OMP_WAIT_POLICY=PASSIVE`` inherited.
-TESSERA_ONLY_ENV = ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+TESSERA_ONLY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "OMP_NUM_THREADS",
+                    "NUMBA_NUM_THREADS")
 
 
 def peer_env(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -126,9 +126,10 @@ def test_peers_run_without_tesseras_thread_pool_settings(tmp_path, monkeypatch):
     3x slower than the same binary launched from a shell."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "4")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
     monkeypatch.setenv("TESSERA_PEER_KEEP", "yes")
     env = peers.peer_env()
-    assert "OMP_WAIT_POLICY" not in env and "OPENBLAS_THREAD_TIMEOUT" not in env
+    assert "OMP_WAIT_POLICY" not in env and "OPENBLAS_THREAD_TIMEOUT" not in env and "GOMP_SPINCOUNT" not in env
     assert env["TESSERA_PEER_KEEP"] == "yes"
     seen = tmp_path / "env.txt"
     entries = json.dumps([{"n_prompt": 0, "n_gen": 8, "avg_ts": 1.0}])
