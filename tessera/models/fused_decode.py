@@ -169,7 +169,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
             attention_parallel |= not decode.serial
     # The attention runs inside the layer's region: a plan the planner would spread over the cores (a long context,
     # a big batch) makes the layer parallel even when its GEMVs alone would not.
-    n_workers = max(numba.get_num_threads(), 1) if attention_parallel else _workers(t_count * largest)
+    n_workers = numba.get_num_threads() if attention_parallel else _workers(t_count * largest)
     slots = step.slots.detach().to(torch.int64).numpy()
     if slots.min() < 0 or slots.max() >= cache.num_slots or np.unique(slots).size != slots.size:
         raise ValueError(f"forward_step: slots must be distinct and in [0, {cache.num_slots}), got {slots.tolist()}")

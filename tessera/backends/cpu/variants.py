@@ -97,6 +97,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 PORTABLE = "portable"
+_NAMES = {name: [v.name for v in family.variants] for name, family in FAMILIES.items()}
 #: families whose variant ``tessera tune`` may choose by timing (the tunable ``<family>_variant``)
 TUNED = ("qgemv",)
 #: the tunable's value that keeps the ISA order
@@ -116,9 +117,8 @@ def _forced() -> dict[str, str]:
         if not sep or family not in FAMILIES:
             raise ValueError(f"TESSERA_CPU_VARIANTS: expected 'family=variant,...' with a family of "
                              f"{sorted(FAMILIES)} (or the single word 'portable'), got {part.strip()!r}")
-        names = [v.name for v in FAMILIES[family].variants]
-        if variant not in names:
-            raise ValueError(f"TESSERA_CPU_VARIANTS: family {family!r} has variants {names}, got {variant!r}")
+        if variant not in _NAMES[family]:
+            raise ValueError(f"TESSERA_CPU_VARIANTS: family {family!r} has variants {_NAMES[family]}, got {variant!r}")
         forced[family] = variant
     return forced
 
@@ -129,11 +129,10 @@ def tuned_preference(family: str) -> str:
         return AUTO
     from tessera.tuning import tuned  # not at import: the tuning modules import the cpu backend
 
-    value = tuned(f"{family}_variant", None, AUTO)
-    names = [v.name for v in FAMILIES[family].variants]
-    if value != AUTO and value not in names:
+    value = tuned(f"{family}_variant", None, AUTO)  # a memoized lookup: this runs on every choose()
+    if value != AUTO and value not in _NAMES[family]:
         raise ValueError(f"{family}_variant = {value!r} (TESSERA_TUNE_{family.upper()}_VARIANT or the tuning cache): "
-                         f"expected {AUTO!r} or one of {names}")
+                         f"expected {AUTO!r} or one of {_NAMES[family]}")
     return value
 
 
