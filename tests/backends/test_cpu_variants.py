@@ -54,6 +54,10 @@ def test_every_family_ends_portable_and_chooses_something() -> None:
         assert variants.FAMILIES[row["family"]].variants[-1].requires == frozenset()
 
 
+#: what an AVX512-VNNI CPU without AVX-VNNI reports (Ice Lake, Zen 4)
+AVX512_VNNI = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"})
+
+
 def test_a_variant_missing_a_feature_is_never_chosen(monkeypatch) -> None:
     _fake_features(monkeypatch, {"avx2"})
     assert variants.choose("qgemv").name == "avx2"
@@ -61,10 +65,14 @@ def test_a_variant_missing_a_feature_is_never_chosen(monkeypatch) -> None:
     assert variants.choose("qgemv").name == "portable"
     _fake_features(monkeypatch, {"avx2", "avxvnni"})
     assert variants.choose("qgemv").name == "vnni"
-    _fake_features(monkeypatch, {"avx2", "avx512vnni", "avx512vl"})
+    _fake_features(monkeypatch, AVX512_VNNI)
     assert variants.choose("qgemv").name == "vnni512"
     row = next(r for r in variants.explain() if r["family"] == "qgemv")
-    assert row["chosen"] == "vnni512" and row["passed_over"] == ["vnni: lacks ['avxvnni']"]
+    assert row["chosen"] == "vnni512" and row["passed_over"] == []
+    _fake_features(monkeypatch, AVX512_VNNI - {"avx512bw"})  # the 512-bit rows shift and negate bytes (AVX512-BW)
+    assert variants.choose("qgemv").name == "avx2"
+    _fake_features(monkeypatch, AVX512_VNNI | {"avxvnni"})  # Sapphire Rapids: both encodings, the wide rows first
+    assert variants.choose("qgemv").name == "vnni512"
 
 
 def test_isa_cap_imitates_older_machines(monkeypatch) -> None:
@@ -101,13 +109,13 @@ def test_a_tuned_variant_is_taken_where_the_cpu_runs_it(monkeypatch) -> None:
     the ISA order in charge."""
     from tessera.tuning import overriding
 
-    _fake_features(monkeypatch, {"avx2", "avx512vnni", "avx512vl"})
+    _fake_features(monkeypatch, AVX512_VNNI)
     assert variants.choose("qgemv").name == "vnni512"
     with overriding("qgemv_variant", "avx2"):
         assert variants.choose("qgemv").name == "avx2"
         row = next(r for r in variants.explain() if r["family"] == "qgemv")
         assert row["chosen"] == "avx2" and row["why"].startswith("tuned") and "vnni512" in row["why"]
-        assert row["passed_over"] == ["vnni: lacks ['avxvnni']", "vnni512: slower here (tuned)"]
+        assert row["passed_over"] == ["vnni512: slower here (tuned)", "vnni: lacks ['avxvnni']"]
         _force(monkeypatch, "qgemv=vnni512")
         assert variants.choose("qgemv").name == "vnni512"
         monkeypatch.delenv("TESSERA_CPU_VARIANTS")
@@ -200,6 +208,33 @@ def test_qgemv_kernels_write_every_output(variant: str, fmt: str, gen: torch.Gen
     else:
         _qdot_kernels.gemv_int4(token, xq, xd, xs, *_qdot.weight_arrays(qw), poisoned)
     assert not np.isnan(poisoned).any()
+
+
+@pytest.mark.parametrize("variant", [v for v in QGEMV if v != "portable"])
+@pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
+def test_qgemv_every_block_count(variant: str, fmt: str, gen: torch.Generator) -> None:
+    """Group-32 rows of 1 to 9 blocks: the 512-bit rows take blocks four, then two at a time and finish an odd one
+    on 256-bit vectors, so every count modulo 4 and the one-block row are checked; one x row and five (a block of
+    four sharing each weight pair, then one). int8 codes of -128 (GGUF Q8_0 allows them; the 512-bit dot has no
+    VPSIGNB and negates the activation instead) included. Outputs NaN-poisoned, serial and parallel."""
+    _runnable(variant)
+    token = _qdot._TOKENS[variant]
+    for blocks in range(1, 10):
+        k = 32 * blocks
+        qw = Q.quantize(torch.randn(19, k, generator=gen), fmt, 32)
+        if fmt == "int8":
+            qw.data[::3, ::5] = -128
+        for m in (1, 5):
+            x = torch.randn(m, k, generator=gen)
+            want = qmatmul_f64(_qdot.quantized_activation(x), qw)
+            xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+            for kernel in ((_qdot_kernels.gemv_int8_serial, _qdot_kernels.gemv_int8) if fmt == "int8" else
+                           (_qdot_kernels.gemv_int4_serial, _qdot_kernels.gemv_int4)):
+                got = np.full((m, 19), np.nan, np.float32)
+                head = (token, xq, xd) if fmt == "int8" else (token, xq, xd, xs)
+                kernel(*head, *_qdot.weight_arrays(qw), got)
+                assert_close_to_oracle(torch.from_numpy(got), want, torch.float32,
+                                       f"{variant} {fmt} K={k} M={m} {kernel.__name__}", reduction=True)
 
 
 def test_unsupported_weights_fall_back_to_float(monkeypatch, gen: torch.Generator) -> None:

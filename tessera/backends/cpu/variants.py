@@ -11,8 +11,8 @@ variant this machine can execute and a user can rule one out:
 Forcing a variant whose features are missing is an error that names them. :func:`explain` is what ``tessera info``
 prints: per family, the chosen variant and why, and why each better one was passed over.
 
-The ISA order is a guess about speed, not a measurement: on Zen 4 the two-instruction AVX2 dot product runs as fast
-as ``VPDPBUSD`` or up to 10% faster. So a family listed in :data:`TUNED` also has a tunable,
+The ISA order is a guess about speed, not a measurement everywhere: on Zen 4 the two-instruction AVX2 dot product
+runs as fast as the 256-bit ``VPDPBUSD`` or up to 10% faster (the 512-bit ``vnni512`` rows beat both there). So a family listed in :data:`TUNED` also has a tunable,
 ``<family>_variant`` (:mod:`tessera.tuning.cpu`), that ``tessera tune`` sets to the variant it measured fastest on
 this machine; unforced, :func:`choose` takes that one when the CPU can run it. Its default, ``auto``, keeps the ISA
 order. The environment variable still wins over the tuned choice.
@@ -64,10 +64,11 @@ _AVX512_BF16 = frozenset({"avx512bf16"})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qgemv", "quantized matmul at decode shapes (packed int4 / int8 weights, M <= the GEMV row limit)", (
+        Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
+                "x quantized to int8 per block of 32; two blocks per 512-bit VPDPBUSD for group-32 weights (GGUF "
+                "Q4_0 / Q4_1 / Q8_0), the 256-bit EVEX form for other groups"),
         Variant("vnni", frozenset({"avx2", "avxvnni"}),
                 "x quantized to int8 per block of 32; u8 x s8 dot products with VPDPBUSD (AVX-VNNI, 256-bit)"),
-        Variant("vnni512", frozenset({"avx2", "avx512vnni", "avx512vl"}),
-                "as vnni, the EVEX encoding of VPDPBUSD (AVX512-VNNI machines without AVX-VNNI)"),
         Variant("avx2", frozenset({"avx2"}),
                 "x quantized to int8 per block of 32; u8 x s8 dot products with VPMADDUBSW + VPMADDWD"),
         Variant("portable", frozenset(),

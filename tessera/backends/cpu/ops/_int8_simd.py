@@ -99,7 +99,10 @@ def _unbox_token(typ, obj, c):
 AVX2 = IsaToken("avx2")
 #: ``VPDPBUSD`` on 256-bit vectors (AVX-VNNI, or AVX512-VNNI with VL: LLVM picks the encoding the CPU has)
 VNNI = IsaToken("vnni")
-TOKENS = {"avx2": AVX2, "vnni": VNNI}
+#: two blocks per 512-bit ``VPDPBUSD`` where a kernel has a wide form (:mod:`._int8_simd512`), the EVEX 256-bit
+#: ``VPDPBUSD`` elsewhere (AVX512-VNNI with BW and VL)
+VNNI512 = IsaToken("vnni512")
+TOKENS = {"avx2": AVX2, "vnni": VNNI, "vnni512": VNNI512}
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -181,7 +184,7 @@ high_nibbles32.__doc__ = "The high nibbles of 32 bytes from ``index`` (codes 0..
 
 def _emit_dot_u8s8(builder, isa: str, u, s):
     """Per int32 lane ``i``: the sum of ``u[4i+j] * s[4i+j]``, j < 4, u unsigned and s signed bytes."""
-    if isa == "vnni":
+    if isa in ("vnni", "vnni512"):
         fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _V32x8, [_V32x8] * 3)
         return builder.call(fn, [_splat(0, _V32x8), builder.bitcast(u, _V32x8), builder.bitcast(s, _V32x8)])
     # VPMADDUBSW: adjacent u8*s8 pairs summed into saturating int16 (a pair of 4-bit or 7-bit codes times int8

@@ -11,11 +11,11 @@ import torch
 
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _qdot_kernels as kernels
-from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, IsaToken
+from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
 from tessera.kernels.quant import QuantizedWeight
 
 #: ``qgemv`` variant -> the ISA token its kernels compile for (None: the float-activation kernels)
-_TOKENS: dict[str, IsaToken | None] = {"vnni": VNNI, "vnni512": VNNI, "avx2": AVX2, "portable": None}
+_TOKENS: dict[str, IsaToken | None] = {"vnni512": VNNI512, "vnni": VNNI, "avx2": AVX2, "portable": None}
 
 
 #: variant name -> whether its kernels passed :func:`self_check` in this process
@@ -57,16 +57,18 @@ def _passes(name: str) -> bool:
 
 def self_check(isa: IsaToken) -> str | None:
     """Run the int8 kernels of ``isa`` on small random int4 / int4_min / int8 weights (group 32 and 128, serial and
-    parallel) against the float64 product of the same quantized activation; None when all agree to fp32 rounding,
+    parallel, one and four x rows at a time) against the float64 product of the same quantized activation; None when all agree to fp32 rounding,
     else what differed. ~0.1 s after compilation."""
     from tessera.backends.reference.ops.quant import qmatmul_f64
     from tessera.kernels.quant import quantize
 
     gen = torch.Generator().manual_seed(20261201)
-    x = torch.randn(3, 256, generator=gen)
-    x_deq = quantized_activation(x)
-    for fmt, group in (("int4", 32), ("int4_min", 32), ("int4", 128), ("int8", 32)):
-        qw = quantize(torch.randn(21, 256, generator=gen), fmt, group)
+    # five x rows: a block of four and a single one; 11 blocks of 32: the 512-bit rows' unrolled pairs, one more
+    # pair and an odd block
+    for fmt, group, k in (("int4", 32, 352), ("int4_min", 32, 352), ("int4", 128, 384), ("int8", 32, 352)):
+        x = torch.randn(5, k, generator=gen)
+        x_deq = quantized_activation(x)
+        qw = quantize(torch.randn(21, k, generator=gen), fmt, group)
         want = qmatmul_f64(x_deq, qw)
         for serial in (True, False):
             got = qmatmul(x, qw, isa, serial).double()

@@ -17,6 +17,10 @@ Weight layouts (:class:`tessera.kernels.quant.QuantizedWeight`):
 
 Codes are unsigned for int4 (0..15), so the zero point and the Q4_1 min enter as a per-group term
 ``offset * sum(x_deq over the group)`` added once per row, not per element.
+
+The group-32 rows (GGUF's formats) have two forms, picked at compile time from the ISA token: the 256-bit rows here,
+and for the ``vnni512`` token the 512-bit rows of :mod:`._qdot_wide`, two blocks per instruction. The choice is a
+compile-time constant of the token's type (:func:`._int8_simd512.is_wide`), so each specialization keeps one form.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ import numpy as np
 from numba import njit, prange
 
 from tessera.backends.cpu.numba_math import FASTMATH, widen
+from tessera.backends.cpu.ops import _qdot_wide as wide
 from tessera.backends.cpu.ops._int8_simd import (
-    add_f32x8, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32, nibbles16, sum_f32x8,
-    zero_f32x8,
+    add_f32x8, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32,
+    nibbles16, sum_f32x8, zero_f32x8,
 )
+from tessera.backends.cpu.ops._int8_simd512 import is_wide
 
 BLOCK = 32  # activation elements per int8 scale
 ROWS = 16  # output rows per parallel work item
@@ -91,18 +97,32 @@ def _group_sums(xs, group, m):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_offsets(gsum, scales, offsets, has_min, n):  # pragma: no cover - compiled
-    """Row ``n``'s zero-point (``-z * s``) or min term against the group sums of x."""
+def _int4_offsets(gsum, scales, offsets, keep, n):  # pragma: no cover - compiled
+    """Row ``n``'s zero-point (``-z * s``) or min term against the group sums of x; ``keep`` from
+    :func:`_offset_keep`."""
     y = np.float32(0.0)
     for g in range(gsum.shape[0]):
-        off = offsets[n, g] if has_min else -np.float32(offsets[n, g]) * scales[n, g]
-        y += off * gsum[g]
+        y += _offset(offsets, scales, keep, n, g) * gsum[g]
     return y
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - compiled
-    """Scaled integer dot of row ``n`` (any group size) with activation row ``m``."""
+def _offset_keep(has_min):  # pragma: no cover - compiled
+    """1 for Q4_1-style mins (added as they are), 0 for zero points (times ``-scale``)."""
+    return np.float32(1.0) if has_min else np.float32(0.0)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _offset(offsets, scales, keep, n, g):  # pragma: no cover - compiled
+    """Group ``g``'s additive term per unit of x: the min, or ``-z * s``, without a branch. Why: an ``if`` that reads
+    arrays inside these per-row functions made Numba keep its reference-count calls (NRT_incref / NRT_decref, with a
+    VZEROUPPER each) in every row; on 576-wide rows they cost as much as the 512-bit dot itself."""
+    return np.float32(offsets[n, g]) * (keep - (np.float32(1.0) - keep) * scales[n, g])
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_g32_row_narrow(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+    """Scaled integer dot of group-32 int4 row ``n`` with activation row ``m`` (without the zero-point term)."""
     nb = xd.shape[1]
     hk = packed.shape[1]
     ng = scales.shape[1]
@@ -113,37 +133,74 @@ def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - c
     xo = m * xq.shape[1]
     do = m * nb
     r = n * hk
-    if group == BLOCK:
-        b = 0
-        while b + 1 < nb:
-            acc0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
-                           load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-            acc1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16 + 16), load_i8x32(xq, xo + b * BLOCK + BLOCK)),
-                           load_f32(scales, n * ng + b + 1) * load_f32(xd, do + b + 1), acc1)
-            b += 2
-        if b < nb:
-            acc0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
-                           load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-        return sum_f32x8(add_f32x8(acc0, acc1))
-    per = group // BLOCK  # activation blocks per group; the low nibbles hold the first half of them
-    half = per // 2
-    for g in range(ng):
-        sw = load_f32(scales, n * ng + g)
-        for c in range(half):
-            off = r + g * (group // 2) + c * BLOCK
-            blo = g * per + c
-            bhi = blo + half
-            acc0 = fma_i32(dot_u8s8(isa, low_nibbles32(packed, off), load_i8x32(xq, xo + blo * BLOCK)),
-                           sw * load_f32(xd, do + blo), acc0)
-            acc1 = fma_i32(dot_u8s8(isa, high_nibbles32(packed, off), load_i8x32(xq, xo + bhi * BLOCK)),
-                           sw * load_f32(xd, do + bhi), acc1)
+    b = 0
+    while b + 1 < nb:
+        acc0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
+                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
+        acc1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16 + 16), load_i8x32(xq, xo + b * BLOCK + BLOCK)),
+                       load_f32(scales, n * ng + b + 1) * load_f32(xd, do + b + 1), acc1)
+        b += 2
+    while b < nb:  # an odd block count (a loop, not an if: see _offset)
+        acc0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
+                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
+        b += 1
     return sum_f32x8(add_f32x8(acc0, acc1))
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, out):  # pragma: no cover - compiled
-    """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``: each
-    block's codes are unpacked once for the four rows, and its scale loaded once."""
+def _int8_g32_row_narrow(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
+    """Scaled integer dot of group-32 int8 row ``n`` (GGUF Q8_0) with activation row ``m``."""
+    nb = xd.shape[1]
+    k = q.shape[1]
+    ng = scales.shape[1]
+    xo = m * xq.shape[1]
+    do = m * nb
+    r = n * k
+    acc0 = zero_f32x8()  # two FMA chains, as in _int4_g32_row_narrow
+    acc1 = zero_f32x8()
+    b = 0
+    while b + 1 < nb:
+        acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
+                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
+        acc1 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK + BLOCK), load_i8x32(xq, xo + b * BLOCK + BLOCK)),
+                       load_f32(scales, n * ng + b + 1) * load_f32(xd, do + b + 1), acc1)
+        b += 2
+    while b < nb:  # an odd block count (a loop, not an if: see _offset)
+        acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
+                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
+        b += 1
+    return sum_f32x8(add_f32x8(acc0, acc1))
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int8_g32_x4_narrow(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
+    """Row ``n`` of group-32 int8 weights dotted with activation rows ``m .. m + 3``: each block of codes and its
+    scale loaded once for the four rows. Returns the four dots."""
+    nb = xd.shape[1]
+    k = q.shape[1]
+    ng = scales.shape[1]
+    acc0 = zero_f32x8()
+    acc1 = zero_f32x8()
+    acc2 = zero_f32x8()
+    acc3 = zero_f32x8()
+    r = n * k
+    x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
+    d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
+    for b in range(nb):
+        w = load_i8x32(q, r + b * BLOCK)
+        sw = load_f32(scales, n * ng + b)
+        o = b * BLOCK
+        acc0 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), acc0)
+        acc1 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
+        acc2 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
+        acc3 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
+    return sum_f32x8(acc0), sum_f32x8(acc1), sum_f32x8(acc2), sum_f32x8(acc3)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_g32_x4_narrow(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+    """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3``: each block's codes unpacked
+    once for the four rows, and its scale loaded once. Returns the four dots (without the zero-point terms)."""
     nb = xd.shape[1]
     k = xq.shape[1]
     hk = packed.shape[1]
@@ -163,24 +220,86 @@ def _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, out
         acc1 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
         acc2 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
         acc3 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
-    y0 = np.float32(0.0)
-    y1 = np.float32(0.0)
-    y2 = np.float32(0.0)
-    y3 = np.float32(0.0)
-    for g in range(ng):  # the zero-point or min term of the four rows, each offset loaded once
-        off = offsets[n, g] if has_min else -np.float32(offsets[n, g]) * scales[n, g]
+    return sum_f32x8(acc0), sum_f32x8(acc1), sum_f32x8(acc2), sum_f32x8(acc3)
+
+
+# ---------------------------------------------------------------------------------------- width dispatch
+# ``is_wide(isa)`` is a compile-time constant per token, so LLVM keeps one branch of each of these.
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_g32_row(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+    if is_wide(isa):
+        return wide.int4_g32_row(isa, xq, xd, m, packed, scales, n)
+    return _int4_g32_row_narrow(isa, xq, xd, m, packed, scales, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_g32_x4(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+    if is_wide(isa):
+        return wide.int4_g32_x4(isa, xq, xd, m, packed, scales, n)
+    return _int4_g32_x4_narrow(isa, xq, xd, m, packed, scales, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int8_g32_row(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
+    if is_wide(isa):
+        return wide.int8_g32_row(isa, xq, xd, m, q, scales, n)
+    return _int8_g32_row_narrow(isa, xq, xd, m, q, scales, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int8_g32_x4(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
+    if is_wide(isa):
+        return wide.int8_g32_x4(isa, xq, xd, m, q, scales, n)
+    return _int8_g32_x4_narrow(isa, xq, xd, m, q, scales, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - compiled
+    """Scaled integer dot of row ``n`` (group 64, 128, ...; group 32 is :func:`_int4_g32_row`) with activation row
+    ``m``."""
+    nb = xd.shape[1]
+    hk = packed.shape[1]
+    ng = scales.shape[1]
+    # Two accumulators: one FMA chain per row is bound by the FMA latency (4 cycles per block of 32); two chains
+    # took a 4096 x 4096 g32 row kernel from 25-28 to 31-36 GMAC/s per core on Zen 4 (in cache, 2026-12-02).
+    acc0 = zero_f32x8()
+    acc1 = zero_f32x8()
+    xo = m * xq.shape[1]
+    do = m * nb
+    r = n * hk
+    per = group // BLOCK  # activation blocks per group; the low nibbles hold the first half of them
+    half = per // 2
+    for g in range(ng):
+        sw = load_f32(scales, n * ng + g)
+        for c in range(half):
+            off = r + g * (group // 2) + c * BLOCK
+            blo = g * per + c
+            bhi = blo + half
+            acc0 = fma_i32(dot_u8s8(isa, low_nibbles32(packed, off), load_i8x32(xq, xo + blo * BLOCK)),
+                           sw * load_f32(xd, do + blo), acc0)
+            acc1 = fma_i32(dot_u8s8(isa, high_nibbles32(packed, off), load_i8x32(xq, xo + bhi * BLOCK)),
+                           sw * load_f32(xd, do + bhi), acc1)
+    return sum_f32x8(add_f32x8(acc0, acc1))
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out):  # pragma: no cover - compiled
+    """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``."""
+    y0, y1, y2, y3 = _int4_g32_x4(isa, xq, xd, m, packed, scales, n)
+    for g in range(scales.shape[1]):  # the zero-point or min term of the four rows, each offset loaded once
+        off = _offset(offsets, scales, keep, n, g)
         y0 += off * gsums[m, g]
         y1 += off * gsums[m + 1, g]
         y2 += off * gsums[m + 2, g]
         y3 += off * gsums[m + 3, g]
-    out[m, n] = sum_f32x8(acc0) + y0
-    out[m + 1, n] = sum_f32x8(acc1) + y1
-    out[m + 2, n] = sum_f32x8(acc2) + y2
-    out[m + 3, n] = sum_f32x8(acc3) + y3
+    out[m, n] = y0
+    out[m + 1, n] = y1
+    out[m + 2, n] = y2
+    out[m + 3, n] = y3
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, out):  # pragma: no cover - compiled
+def _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out):  # pragma: no cover - compiled
     """Rows ``n`` and ``n + 1`` of group-32 int4 weights dotted with activation row ``m`` into ``out[m, n:n + 2]``:
     four FMA chains instead of two, each activation block loaded once for both rows."""
     nb = xd.shape[1]
@@ -207,21 +326,18 @@ def _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, o
         a1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r0 + b * 16 + 16), x1), load_f32(scales, s0 + b + 1) * d1, a1)
         b1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r1 + b * 16 + 16), x1), load_f32(scales, s1 + b + 1) * d1, b1)
         b += 2
-    if b < nb:
+    while b < nb:  # an odd block count (a loop, not an if: see _offset)
         x0 = load_i8x32(xq, xo + b * BLOCK)
         d0 = load_f32(xd, do + b)
         a0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r0 + b * 16), x0), load_f32(scales, s0 + b) * d0, a0)
         b0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r1 + b * 16), x0), load_f32(scales, s1 + b) * d0, b0)
+        b += 1
     y0 = np.float32(0.0)
     y1 = np.float32(0.0)
     for g in range(ng):
         gs = gsums[m, g]
-        if has_min:
-            y0 += offsets[n, g] * gs
-            y1 += offsets[n + 1, g] * gs
-        else:
-            y0 -= np.float32(offsets[n, g]) * scales[n, g] * gs
-            y1 -= np.float32(offsets[n + 1, g]) * scales[n + 1, g] * gs
+        y0 += _offset(offsets, scales, keep, n, g) * gs
+        y1 += _offset(offsets, scales, keep, n + 1, g) * gs
     out[m, n] = sum_f32x8(add_f32x8(a0, a1)) + y0
     out[m, n + 1] = sum_f32x8(add_f32x8(b0, b1)) + y1
 
@@ -243,28 +359,42 @@ def int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, n_l
     gsums = np.empty((m_rows, scales.shape[1]), dtype=np.float32)
     for m in range(m_rows):
         gsums[m, :] = _group_sums(xs, group, m)
-    # Four x rows share each unpacked weight block (group 32, GGUF's Q4_0 / Q4_1): at M = 8 on SmolLM2's shapes
-    # the unpacking, the per-row scale loads and the zero-point term were half of the work done row by row.
-    quads = m_rows // 4 * 4 if group == BLOCK else 0
+    keep = _offset_keep(has_min)
+    if group == BLOCK:
+        _int4_rows_g32(isa, xq, xd, gsums, packed, scales, offsets, keep, out, n_lo, n_hi)
+    else:
+        for n in range(n_lo, n_hi):
+            for m in range(m_rows):
+                out[m, n] = _int4_row(isa, xq, xd, m, packed, scales, group, n) + \
+                    _int4_offsets(gsums[m], scales, offsets, keep, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _int4_rows_g32(isa, xq, xd, gsums, packed, scales, offsets, keep, out, n_lo, n_hi):  # pragma: no cover
+    """:func:`int4_rows` for group 32 (GGUF's Q4_0 / Q4_1)."""
+    m_rows = xq.shape[0]
+    # Four x rows share each unpacked weight block: at M = 8 on SmolLM2's shapes the unpacking, the per-row scale
+    # loads and the zero-point term were half of the work done row by row.
+    quads = m_rows // 4 * 4
     n = n_lo
-    # Short rows in pairs: a 576-wide row is 18 blocks, so each of its two FMA chains is only nine FMAs long and the
-    # row's tail (horizontal sum, the 18-group offsets term) is latency the next row cannot hide; two rows at once
-    # give four chains. On Zen 4, one thread, in cache: 8-20% less time on SmolLM2's rows (K = 576 and 1536), but 10%
-    # more on 4096-wide rows, whose chains are already long; hence the K limit.
-    if group == BLOCK and xq.shape[1] <= PAIR_MAX_K and quads < m_rows:
+    # Short rows in pairs on the 256-bit rows: a 576-wide row is 18 blocks, so each of its two FMA chains is only nine
+    # FMAs long and the row's tail (horizontal sum, the 18-group offsets term) is latency the next row cannot hide;
+    # two rows at once give four chains. On Zen 4, one thread, in cache: 8-20% less time on SmolLM2's rows (K = 576
+    # and 1536), but 10% more on 4096-wide rows, whose chains are already long; hence the K limit.
+    if xq.shape[1] <= PAIR_MAX_K and quads < m_rows and not is_wide(isa):
         while n + 1 < n_hi:
             for m in range(0, quads, 4):
-                _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, out)
-                _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n + 1, out)
+                _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out)
+                _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n + 1, out)
             for m in range(quads, m_rows):
-                _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, out)
+                _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out)
             n += 2
     for n in range(n, n_hi):
         for m in range(0, quads, 4):
-            _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, has_min, n, out)
+            _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out)
         for m in range(quads, m_rows):
-            out[m, n] = _int4_row(isa, xq, xd, m, packed, scales, group, n) + \
-                _int4_offsets(gsums[m], scales, offsets, has_min, n)
+            out[m, n] = _int4_g32_row(isa, xq, xd, m, packed, scales, n) + \
+                _int4_offsets(gsums[m], scales, offsets, keep, n)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -286,24 +416,14 @@ def _int8_row(isa, xq, xd, m, q, scales, group, n):  # pragma: no cover - compil
             acc1 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK + BLOCK), load_i8x32(xq, xo + b * BLOCK + BLOCK)),
                            load_f32(xd, do + b + 1), acc1)
             b += 2
-        if b < nb:
+        while b < nb:  # an odd block count (a loop, not an if: see _offset)
             acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
                            load_f32(xd, do + b), acc0)
+            b += 1
         return (sum_f32x8(add_f32x8(acc0, acc1))) * load_f32(scales, n)
     per = group // BLOCK
     if per == 1:  # group 32 (GGUF Q8_0): a scale per block
-        b = 0
-        while b + 1 < nb:
-            acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
-                           load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-            acc1 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK + BLOCK),
-                                    load_i8x32(xq, xo + b * BLOCK + BLOCK)),
-                           load_f32(scales, n * ng + b + 1) * load_f32(xd, do + b + 1), acc1)
-            b += 2
-        if b < nb:
-            acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
-                           load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-        return sum_f32x8(add_f32x8(acc0, acc1))
+        return _int8_g32_row(isa, xq, xd, m, q, scales, n)
     for g in range(ng):  # group 64 or 128 (any multiple of 32 works: an odd block count leaves one for acc0)
         sw = load_f32(scales, n * ng + g)
         for c in range(0, per - 1, 2):
@@ -321,30 +441,12 @@ def _int8_row(isa, xq, xd, m, q, scales, group, n):  # pragma: no cover - compil
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _int8_row_x4(isa, xq, xd, m, q, scales, n, out):  # pragma: no cover - compiled
-    """Row ``n`` of group-32 int8 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``: each
-    block of codes and its scale loaded once for the four rows."""
-    nb = xd.shape[1]
-    k = q.shape[1]
-    ng = scales.shape[1]
-    acc0 = zero_f32x8()
-    acc1 = zero_f32x8()
-    acc2 = zero_f32x8()
-    acc3 = zero_f32x8()
-    r = n * k
-    x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
-    d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
-    for b in range(nb):
-        w = load_i8x32(q, r + b * BLOCK)
-        sw = load_f32(scales, n * ng + b)
-        o = b * BLOCK
-        acc0 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), acc0)
-        acc1 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
-        acc2 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
-        acc3 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
-    out[m, n] = sum_f32x8(acc0)
-    out[m + 1, n] = sum_f32x8(acc1)
-    out[m + 2, n] = sum_f32x8(acc2)
-    out[m + 3, n] = sum_f32x8(acc3)
+    """Row ``n`` of group-32 int8 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``."""
+    y0, y1, y2, y3 = _int8_g32_x4(isa, xq, xd, m, q, scales, n)
+    out[m, n] = y0
+    out[m + 1, n] = y1
+    out[m + 2, n] = y2
+    out[m + 3, n] = y3
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
