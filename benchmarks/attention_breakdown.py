@@ -37,7 +37,7 @@ from tessera.attention import AttentionSpec, attention, causal
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import cascade as cascade_mod
 from tessera.backends.cpu.backend import CpuBackend
-from tessera.backends.cpu.decode import storage_view
+from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.decode_kernel import decode_attention_kernel
 from tessera.bench.suites.paged import HKV, HQ, D, cascade_plans, make_shared_prefix_batch
 from tessera.hw import get_ceilings

@@ -12,8 +12,8 @@ from tessera.attention.execute import execute
 from tessera.attention.scores import Softcap
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
+from tessera.dtypes import FLOAT_DTYPES
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: Recent cpu plans of the dense / ragged entry points, keyed by (spec object, lengths): a model calls attention
 #: layer after layer with one spec and the same lengths, and planning costs ~0.15-0.35 ms per call on this machine
@@ -174,7 +174,7 @@ def _check_tensors(q, k, v, spec: AttentionSpec, ndim: int) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must be {layout} ({ndim} dims), got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported storage dtypes are float32, bfloat16, float16")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")

@@ -12,10 +12,11 @@ import math
 import numpy as np
 import torch
 
-from tessera.attention.api import SUPPORTED_DTYPES, as_lengths
+from tessera.attention.api import as_lengths
 from tessera.attention.execute import execute
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
+from tessera.dtypes import FLOAT_DTYPES
 
 
 class AttentionPlan:
@@ -66,7 +67,7 @@ class AttentionPlan:
     def _check(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
         spec, where = self.spec, "AttentionPlan.run"
         for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in SUPPORTED_DTYPES:
+            if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"{where}: {name} must be a float32/bfloat16/float16 tensor, got {getattr(t, 'dtype', type(t))}")
         if q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
             raise TypeError(f"{where}: q, k_pages, v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")

@@ -119,12 +119,11 @@ class LLM:
             raise ValueError(f"stream: one text stream per call; got n={params.n} (use generate for n > 1)")
         (seq,) = self._make_sequences([prompt], params)
         self.scheduler.add(seq)
-        hold = max((len(s) for s in seq.params.stop), default=1) - 1
         sent = 0
         try:
             while not seq.is_finished:
                 self.step()
-                safe = len(seq.text) if seq.is_finished else max(sent, len(seq.text) - hold)
+                safe = seq.shown_text_end(sent)
                 if safe > sent:
                     yield seq.text[sent:safe]
                     sent = safe

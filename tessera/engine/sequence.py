@@ -61,6 +61,8 @@ class Sequence:
         self.text = ""
         self.generator = generator
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        # the longest stop string minus one: how much of the text's end could still grow into a stop string
+        self._stop_hold = max((len(s) for s in params.stop), default=1) - 1
         self._max_len = max_len
         self._detok = Detokenizer(tokenizer, self.prompt_ids)
         self.arrival_time = time.perf_counter()
@@ -89,6 +91,14 @@ class Sequence:
     def group_finished(self) -> bool:
         """Every sample of the request has finished (the same as :attr:`is_finished` when ``n = 1``)."""
         return all(s.is_finished for s in self.group)
+
+    def shown_text_end(self, sent: int) -> int:
+        """How much of ``text`` a stream may show, given that ``sent`` characters already went out: all of it once
+        finished; before that, text that could still turn out to be the start of a stop string is held back until
+        it cannot (stop strings never show)."""
+        if self.is_finished:
+            return len(self.text)
+        return max(sent, len(self.text) - self._stop_hold)
 
     def append_token(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
         """Record a sampled token, extend the text, and decide whether the request is done."""

@@ -11,9 +11,9 @@ import math
 
 import torch
 
+from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 

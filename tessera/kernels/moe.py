@@ -20,9 +20,9 @@ from itertools import pairwise
 
 import torch
 
+from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROUTING_MODES = ("softmax_topk", "topk_softmax")
 
 

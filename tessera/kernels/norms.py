@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rms_norm(

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
 
 FORMATS = ("int8", "int4", "int4_min", "fp8_e4m3")
 GROUP_SIZES = (32, 64, 128)
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # GGUF block formats we read: ggml type id -> (name, bytes per block of 32 weights)
 _GGUF = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 
@@ -105,7 +105,7 @@ def _check_part(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape:
 def _check_float(name: str, t: torch.Tensor, ndim: int = 2) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOATS:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}; cast it with .float()")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}; flatten leading dims with "

@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
 from tessera.kernels.rope_scaling import inv_freq_f64
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,7 +178,7 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: R
         raise TypeError(f"rope must be a RotaryEmbedding (RotaryEmbedding.build / .from_hf_config), got "
                         f"{type(rope).__name__}")
     for name, x in (("q", q), ("k", k)):
-        if x.dtype not in _FLOAT_DTYPES:
+        if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
         if x.dim() != 3 or x.shape[2] != rope.head_dim:
             raise ValueError(f"{name} must be [tokens, heads, head_dim={rope.head_dim}], got {tuple(x.shape)}")

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from tessera.attention.api import SUPPORTED_DTYPES
+from tessera.dtypes import FLOAT_DTYPES
 
 
 @njit(parallel=True, cache=True)
@@ -62,7 +62,7 @@ class PagedKVCache:
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {value!r}")
-        if dtype not in SUPPORTED_DTYPES:
+        if dtype not in FLOAT_DTYPES:
             raise TypeError(f"PagedKVCache: dtype must be float32, bfloat16 or float16, got {dtype}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype

@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
+from tessera.dtypes import BY_NAME
 from tessera.models.config import ModelConfig
 from tessera.models.layers import Weights, forward_logits
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -81,9 +80,9 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         exact), as llama.cpp runs the file, and other types are dequantized; True: every quantized projection must
         stay packed; False: all are dequantized to ``dtype`` (what transformers computes with).
     """
-    torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if torch_dtype not in _DTYPES.values():
-        raise ValueError(f"load_model: dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    torch_dtype = BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if torch_dtype not in BY_NAME.values():
+        raise ValueError(f"load_model: dtype must be one of {list(BY_NAME)}, got {dtype!r}")
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"load_model: {path} does not exist")

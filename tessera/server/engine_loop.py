@@ -89,11 +89,10 @@ class Submission:
 class _Live:
     """Loop-side progress of one choice: what was already sent, for deltas and inter-token latency."""
 
-    __slots__ = ("hold", "index", "last_token_time", "sent_chars", "sent_tokens", "seq", "sub")
+    __slots__ = ("index", "last_token_time", "sent_chars", "sent_tokens", "seq", "sub")
 
     def __init__(self, sub: Submission, index: int, seq: Sequence) -> None:
         self.sub, self.index, self.seq = sub, index, seq
-        self.hold = max((len(s) for s in seq.params.stop), default=1) - 1  # as LLM.stream: a stop may still form
         self.sent_chars = self.sent_tokens = 0
         self.last_token_time: float | None = None
 
@@ -296,7 +295,7 @@ class EngineLoop:
         """Send ``live``'s new text and tokens (if any) and retire it once finished."""
         seq, now = live.seq, time.perf_counter()
         finished = seq.is_finished
-        safe = len(seq.text) if finished else max(live.sent_chars, len(seq.text) - live.hold)
+        safe = seq.shown_text_end(live.sent_chars)
         new_ids = seq.output_ids[live.sent_tokens:]
         if safe == live.sent_chars and not new_ids and not finished:
             return

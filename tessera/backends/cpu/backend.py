@@ -11,8 +11,8 @@ from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
 from tessera.backends.cpu.cascade import Cascade, cascade_prefix, find_cascades, merge_cascade
 from tessera.backends.cpu.decode import DECODE_MAX_Q, DecodePlan, kernel_supports
 from tessera.backends.cpu.prefill import prefill_attention
+from tessera.dtypes import FLOAT_DTYPES
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: A prefill with at most this many score entries (q_len * kv_len * Hq) runs in the Numba decode kernel: its fixed
 #: cost is ~20 us, the BLAS tile path's ~50 small torch ops ~0.4 ms. Measured crossover (one layer, causal, paged):
 #: 9 heads D=64: 64 tokens 0.28 vs 0.38 ms, 128 tokens 0.89 vs 0.76; 32 heads D=128: 32 tokens 0.44 vs 0.61 ms,
@@ -61,7 +61,7 @@ class CpuBackend:
         reasons = []
         if request.device.type != "cpu":
             reasons.append(f"runs on CPU tensors, got {request.device.type}")
-        if request.dtype not in _DTYPES:
+        if request.dtype not in FLOAT_DTYPES:
             reasons.append(f"storage dtype {request.dtype} is not one of float32, bfloat16, float16")
         return reasons
 

@@ -24,7 +24,7 @@ from tessera.attention.scores import Softcap
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import FULL, classify_tiles
 from tessera.backends.base import KVLayout, RaggedBatch
-from tessera.backends.cpu.decode import storage_view
+from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.prefill import prefill_attention
 from tessera.backends.cpu.prefix_kernel import KEY_TILE, merge_prefix_parts, merge_prefix_parts_serial, shared_prefix_kernel
 from tessera.backends.cpu.simd import LANES

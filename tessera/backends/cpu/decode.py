@@ -30,6 +30,7 @@ from tessera.backends.cpu.decode_kernel import (
     merge_parts_kernel,
     merge_parts_serial,
 )
+from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.tuning import tuned
 
 DECODE_MAX_Q = 8
@@ -45,17 +46,6 @@ SERIAL_MAX_BYTES = 1 << 20
 def kernel_supports(spec: AttentionSpec) -> bool:
     """The Numba kernel runs built-in score functions only; a custom score function goes through the BLAS path."""
     return spec.score is None or isinstance(spec.score, (Softcap, Alibi))
-
-
-def storage_view(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy NumPy view the kernel understands: float32 as is, bf16 as uint16 bits, fp16 as int16 bits."""
-    if t.dtype == torch.float32:
-        return t.numpy()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy()
-    raise TypeError(f"decode kernel: unsupported storage dtype {t.dtype}")
 
 
 class _Segments:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from tessera.backends.cpu.decode import storage_view
 from tessera.backends.cpu.numba_math import widen
+from tessera.backends.cpu.ops._narrow import storage_view
 
 #: keys per work item (all of one head)
 BLOCK = 64

@@ -10,8 +10,8 @@ import torch
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
 from tessera.backends.triton.configs import interpreting
+from tessera.dtypes import FLOAT_DTYPES
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 
@@ -44,7 +44,7 @@ class TritonBackend:
         want = "cpu (TRITON_INTERPRET=1)" if interpreting() else "cuda"
         if request.device.type != want.split()[0]:
             reasons.append(f"runs on {want} tensors, got {request.device.type}")
-        if request.dtype not in _DTYPES:
+        if request.dtype not in FLOAT_DTYPES:
             reasons.append(f"storage dtype {request.dtype} is not one of float32, bfloat16, float16")
         if request.spec.head_dim > MAX_HEAD_DIM:
             reasons.append(f"head_dim {request.spec.head_dim} > {MAX_HEAD_DIM} (one tile row must fit in registers)")

@@ -1,7 +1,8 @@
-"""Storage helpers shared by the cpu kernel-library ops: zero-copy NumPy views and float32 -> storage rounding.
+"""Storage helpers shared by every cpu kernel (ops and attention): zero-copy NumPy views and float32 -> storage
+rounding.
 
 Kernels see float32 arrays as they are, bfloat16 as uint16 bits and float16 as int16 bits (the convention of
-:func:`tessera.backends.cpu.decode.storage_view` and :func:`tessera.backends.cpu.numba_math.widen`); ``narrow``
+:func:`storage_view` here and :func:`tessera.backends.cpu.numba_math.widen`); ``narrow``
 is the inverse of ``widen``: it rounds a float32 to the storage type of an output array, to nearest even, exactly as
 torch's ``.to(dtype)`` does. Private (leading underscore), so the ops registry does not load it as a family.
 """
@@ -15,6 +16,7 @@ from numba import njit, types
 from numba.core.extending import intrinsic, overload
 
 from tessera.backends.cpu.numba_math import FASTMATH
+from tessera.dtypes import FLOAT_DTYPES
 
 
 def storage_view(t: torch.Tensor) -> np.ndarray:
@@ -40,7 +42,7 @@ def no_rows(dtype: torch.dtype) -> np.ndarray:
 
 def vector_view(v: torch.Tensor) -> np.ndarray:
     """A kernel view of a small per-channel vector (weight, bias): storage dtypes as they are, others as float32."""
-    if v.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if v.dtype not in FLOAT_DTYPES:
         v = v.to(torch.float32)
     if v.requires_grad:  # an nn.Parameter
         v = v.detach()

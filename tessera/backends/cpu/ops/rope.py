@@ -13,10 +13,9 @@ import torch
 from numba import njit, prange, types
 from numba.core.extending import overload
 
-from tessera.backends.cpu.decode import storage_view
-from tessera.backends.cpu.ops._narrow import _f32_to_bits as _f32_bits
-from tessera.backends.cpu.ops._narrow import _f32_to_half_bits
 from tessera.backends.cpu.numba_math import FASTMATH, widen
+from tessera.backends.cpu.ops._narrow import _f32_to_bits as _f32_bits
+from tessera.backends.cpu.ops._narrow import _f32_to_half_bits, storage_view
 from tessera.kernels.rope import RotaryEmbedding
 
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from tessera.backends.cpu.decode import storage_view
 from tessera.backends.cpu.numba_math import FASTMATH, fast_exp, row_max, widen
+from tessera.backends.cpu.ops._narrow import storage_view
 
 if TYPE_CHECKING:
     from tessera.kernels.sampling import SamplingBatch
