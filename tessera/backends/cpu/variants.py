@@ -12,10 +12,10 @@ Forcing a variant whose features are missing is an error that names them. :func:
 prints: per family, the chosen variant and why, and why each better one was passed over.
 
 The ISA order is a guess about speed, not a measurement everywhere: on Zen 4 the two-instruction AVX2 dot product
-runs as fast as the 256-bit ``VPDPBUSD`` or up to 10% faster (the 512-bit ``vnni512`` rows beat both there). So a family listed in :data:`TUNED` also has a tunable,
-``<family>_variant`` (:mod:`tessera.tuning.cpu`), that ``tessera tune`` sets to the variant it measured fastest on
-this machine; unforced, :func:`choose` takes that one when the CPU can run it. Its default, ``auto``, keeps the ISA
-order. The environment variable still wins over the tuned choice.
+runs as fast as the 256-bit ``VPDPBUSD`` or up to 10% faster (the 512-bit ``vnni512`` rows beat both there). So a
+family listed in :data:`TUNED` also has a tunable, ``<family>_variant`` (:mod:`tessera.tuning.cpu`), that ``tessera
+tune`` sets to the variant it measured fastest on this machine; unforced, :func:`choose` takes that one when the CPU
+can run it. Its default, ``auto``, keeps the ISA order. The environment variable still wins over the tuned choice.
 """
 
 from __future__ import annotations

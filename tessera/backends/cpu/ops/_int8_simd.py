@@ -34,21 +34,22 @@ _VF8 = ir.VectorType(_F32, 8)
 
 
 class _VecType(types.Type):
-    def __init__(self, name: str) -> None:
+    """A SIMD vector held in registers; ``ir_type`` is its LLVM vector type (also :mod:`._int8_simd512`'s)."""
+
+    def __init__(self, name: str, ir_type: ir.VectorType) -> None:
+        self.ir_type = ir_type
         super().__init__(name=name)
 
 
-i8x32 = _VecType("i8x32")
-i32x8 = _VecType("i32x8")
-f32x8 = _VecType("f32x8")
+i8x32 = _VecType("i8x32", _V8x32)
+i32x8 = _VecType("i32x8", _V32x8)
+f32x8 = _VecType("f32x8", _VF8)
 
 
-@register_model(type(i8x32))
+@register_model(_VecType)
 class _VecModel(models.PrimitiveModel):
-    _IR = {"i8x32": _V8x32, "i32x8": _V32x8, "f32x8": _VF8}
-
     def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, self._IR[fe_type.name])
+        super().__init__(dmm, fe_type, fe_type.ir_type)
 
 
 # ------------------------------------------------------------------------------------------------ ISA tokens
@@ -136,7 +137,10 @@ def _mask(values):
     return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
 
 
-def _load_typer(what: str, emit):
+def _load_typer(what: str, emit, ret: _VecType = i8x32):
+    """An intrinsic ``what(arr, index)`` returning ``ret``: ``emit(builder, pointer, arr_dtype)`` builds the value
+    from the bytes at flat offset ``index`` of a C-contiguous int8 / uint8 array."""
+
     def typer(typingctx, arr, index):
         _check_bytes(arr, what)
         if not isinstance(index, types.Integer):
@@ -144,30 +148,30 @@ def _load_typer(what: str, emit):
 
         def codegen(context, builder, signature, args):
             ptr = _byte_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-            return emit(builder, ptr)
+            return emit(builder, ptr, signature.args[0].dtype)
 
-        return i8x32(arr, index), codegen
+        return ret(arr, index), codegen
 
     typer.__name__ = typer.__qualname__ = what
     return intrinsic(typer)
 
 
-def _emit_load32(builder, ptr):
+def _emit_load32(builder, ptr, dtype=None):
     return _load(builder, ptr, _V8x32)
 
 
-def _emit_nibbles16(builder, ptr):
+def _emit_nibbles16(builder, ptr, dtype=None):
     raw = _load(builder, ptr, _V8x16)
     lo = builder.and_(raw, _splat(15, _V8x16))
     hi = builder.lshr(raw, _splat(4, _V8x16))
     return builder.shuffle_vector(lo, hi, _mask(range(32)))
 
 
-def _emit_low_nibbles32(builder, ptr):
+def _emit_low_nibbles32(builder, ptr, dtype=None):
     return builder.and_(_load(builder, ptr, _V8x32), _splat(15, _V8x32))
 
 
-def _emit_high_nibbles32(builder, ptr):
+def _emit_high_nibbles32(builder, ptr, dtype=None):
     return builder.lshr(_load(builder, ptr, _V8x32), _splat(4, _V8x32))
 
 
@@ -180,6 +184,15 @@ low_nibbles32 = _load_typer("low_nibbles32", _emit_low_nibbles32)
 low_nibbles32.__doc__ = "The low nibbles of 32 bytes from ``index`` (codes 0..15)."
 high_nibbles32 = _load_typer("high_nibbles32", _emit_high_nibbles32)
 high_nibbles32.__doc__ = "The high nibbles of 32 bytes from ``index`` (codes 0..15)."
+
+
+def _emit_block_codes(builder, ptr, dtype):
+    return _emit_nibbles16(builder, ptr) if dtype == types.uint8 else _emit_load32(builder, ptr)
+
+
+block_codes = _load_typer("block_codes", _emit_block_codes)
+block_codes.__doc__ = ("One group-32 block of weight codes at flat offset ``index``, by the array's dtype: a uint8 "
+                       "array holds packed int4 (16 bytes, :func:`nibbles16`), an int8 array int8 codes (32 bytes).")
 
 
 def _emit_dot_u8s8(builder, isa: str, u, s):
@@ -221,14 +234,38 @@ def dot_s8s8(typingctx, token, w, s):
         raise TypingError(f"dot_s8s8: expected two {i8x32}, got {w}, {s}")
 
     def codegen(context, builder, signature, args):
-        w_, s_ = args[1], args[2]
-        # |w| and sign(w) * s (VPABSB, VPSIGNB): the unsigned-by-signed instructions then give w * s exactly
-        absw = builder.call(_fn(builder, "llvm.abs.v32i8", _V8x32, [_V8x32, ir.IntType(1)]),
-                            [w_, ir.Constant(ir.IntType(1), 0)])
-        signed = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", _V8x32, [_V8x32, _V8x32]), [s_, w_])
-        return _emit_dot_u8s8(builder, isa, absw, signed)
+        return _emit_dot_s8s8(builder, isa, args[1], args[2])
 
     return i32x8(token, w, s), codegen
+
+
+def _emit_dot_s8s8(builder, isa: str, w, s):
+    # |w| and sign(w) * s (VPABSB, VPSIGNB): the unsigned-by-signed instructions then give w * s exactly
+    absw = builder.call(_fn(builder, "llvm.abs.v32i8", _V8x32, [_V8x32, ir.IntType(1)]),
+                        [w, ir.Constant(ir.IntType(1), 0)])
+    signed = builder.call(_fn(builder, "llvm.x86.avx2.psign.b", _V8x32, [_V8x32, _V8x32]), [s, w])
+    return _emit_dot_u8s8(builder, isa, absw, signed)
+
+
+def code_signedness(arr, what: str) -> bool:
+    """Whether the weight array ``arr`` (a Numba type) holds signed codes: int8 yes, packed uint8 nibbles no."""
+    _check_bytes(arr, what)
+    return arr.dtype == types.int8
+
+
+@intrinsic
+def dot_codes(typingctx, token, arr, w, s):
+    """:func:`dot_s8s8` when ``arr`` (the weights ``w`` came from, see :func:`block_codes`) is int8, else
+    :func:`dot_u8s8`: one spelling for both weight formats, the choice made at compile time."""
+    isa = _token_isa(token, "dot_codes")
+    signed = code_signedness(arr, "dot_codes")
+    if (w, s) != (i8x32, i8x32):
+        raise TypingError(f"dot_codes: expected two {i8x32}, got {w}, {s}")
+
+    def codegen(context, builder, signature, args):
+        return (_emit_dot_s8s8 if signed else _emit_dot_u8s8)(builder, isa, args[2], args[3])
+
+    return i32x8(token, arr, w, s), codegen
 
 
 @intrinsic
@@ -288,15 +325,20 @@ def sum_f32x8(typingctx, a):
         raise TypingError(f"sum_f32x8: expected {f32x8}, got {a}")
 
     def codegen(context, builder, signature, args):
-        vec, width = args[0], 8
-        while width > 1:
-            half = width // 2
-            lo = builder.shuffle_vector(vec, vec, _mask(range(half)))
-            hi = builder.shuffle_vector(vec, vec, _mask(range(half, width)))
-            vec, width = builder.fadd(lo, hi), half
-        return builder.extract_element(vec, ir.Constant(_I32, 0))
+        return emit_lane_sum(builder, args[0])
 
     return types.float32(a), codegen
+
+
+def emit_lane_sum(builder, vec):
+    """The sum of a float vector's lanes (halving shuffles), as a float scalar."""
+    width = vec.type.count
+    while width > 1:
+        half = width // 2
+        lo = builder.shuffle_vector(vec, vec, _mask(range(half)))
+        hi = builder.shuffle_vector(vec, vec, _mask(range(half, width)))
+        vec, width = builder.fadd(lo, hi), half
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
 @intrinsic

@@ -1,18 +1,18 @@
 """Explicit 512-bit integer SIMD for Numba: two activation blocks of 32 per instruction, for the ``vnni512`` variant.
 
 Why a second width: with 256-bit vectors a block of 32 weights costs about eleven instructions (unpack, one
-``VPDPBUSD``, convert, the block's scale loaded, multiplied and broadcast, one FMA), and that instruction count, not
-the memory, bounded the int4 GEMV: ~18-24 GMAC/s per core on Zen 4 against the ~47 its DRAM stream allows. A zmm
-register holds two blocks, so each of those steps covers 64 weights, and the two blocks' scales are multiplied as a
-pair and spread over the two halves with one permute. Measured on Zen 4 (2026-12-02, M = 1, group 32, one thread):
-0.51-0.56x the time of the 256-bit kernel in cache, 0.78x streamed from DRAM (see ``docs/kernels/quant.md``).
+``VPDPBUSD``, convert, the block's scale loaded, multiplied and broadcast, one FMA). A zmm register holds two blocks,
+so each of those steps covers 64 weights, and the two blocks' scales are multiplied as a pair and spread over the two
+halves with one permute: 13 instructions per 64 weights in the compiled loop against 23. Measured on Zen 4
+(2026-12-02, M = 1, group 32, one thread, in cache): 0.73-0.94x the time of the 256-bit rows (the table in
+``docs/kernels/quant.md``).
 
 Vectors: ``i8x64`` (64 int8 lanes), ``i32x16`` and ``f32x16``; lanes 0-7 of the latter two belong to the first block
 of a pair, 8-15 to the second. Addresses are flat element offsets from a C-contiguous array's data pointer, as in
-:mod:`._int8_simd`. Only the ``vnni512`` kernels use these (chosen on CPUs with AVX512-VNNI and AVX512-BW), so no
-other CPU executes them: kernels branch on :func:`is_wide`, a compile-time constant of the token, and for any other
-token the dot products below emit portable IR instead of ``VPDPBUSD``, so even a branch LLVM failed to delete would
-compile on a CPU without AVX-512.
+:mod:`._int8_simd`, whose vector type, load typer and lane sum these reuse. Only the ``vnni512`` kernels use these
+(chosen on CPUs with AVX512-VNNI and AVX512-BW), so no other CPU executes them: kernels branch on :func:`is_wide`, a
+compile-time constant of the token, and for any other token :func:`dot_codes_x2` emits portable IR instead of
+``VPDPBUSD``, so even a branch LLVM failed to delete would compile on a CPU without AVX-512.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic
 
-from tessera.backends.cpu.ops._int8_simd import IsaTokenType, _byte_pointer, _check_bytes, _fn, _load, _mask, _splat
+from tessera.backends.cpu.ops._int8_simd import (
+    _byte_pointer, _fn, _load, _load_typer, _mask, _splat, _token_isa, _VecType, code_signedness, emit_lane_sum,
+)
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -33,46 +35,16 @@ _V32x16 = ir.VectorType(_I32, 16)
 _VF16 = ir.VectorType(_F32, 16)
 _VF2 = ir.VectorType(_F32, 2)
 
-
-class _WideType(types.Type):
-    def __init__(self, name: str) -> None:
-        super().__init__(name=name)
-
-
-i8x64 = _WideType("i8x64")
-i32x16 = _WideType("i32x16")
-f32x16 = _WideType("f32x16")
+i8x64 = _VecType("i8x64", _V8x64)
+i32x16 = _VecType("i32x16", _V32x16)
+f32x16 = _VecType("f32x16", _VF16)
 
 
-@register_model(_WideType)
-class _WideModel(models.PrimitiveModel):
-    _IR = {"i8x64": _V8x64, "i32x16": _V32x16, "f32x16": _VF16}
-
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, self._IR[fe_type.name])
-
-
-def _byte_load_typer(what: str, emit):
-    def typer(typingctx, arr, index):
-        _check_bytes(arr, what)
-        if not isinstance(index, types.Integer):
-            raise TypingError(f"{what}: the offset must be an integer, got {index}")
-
-        def codegen(context, builder, signature, args):
-            return emit(builder, _byte_pointer(context, builder, signature.args[0], args[0], args[1],
-                                               signature.args[1]))
-
-        return i8x64(arr, index), codegen
-
-    typer.__name__ = typer.__qualname__ = what
-    return intrinsic(typer)
-
-
-def _emit_load64(builder, ptr):
+def _emit_load64(builder, ptr, dtype=None):
     return _load(builder, ptr, _V8x64)
 
 
-def _emit_nibbles_x2(builder, ptr):
+def _emit_nibbles_x2(builder, ptr, dtype=None):
     # 32 bytes = two packed groups of 32; low nibbles are elements 0-15 of a group, high ones 16-31. The shuffle puts
     # each group's low half before its high half (one VPERMT2Q after the mask and the shift).
     raw = _load(builder, ptr, _V8x32)
@@ -81,24 +53,23 @@ def _emit_nibbles_x2(builder, ptr):
     return builder.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
 
 
-load_i8x64 = _byte_load_typer("load_i8x64", _emit_load64)
+def _emit_block_codes_x2(builder, ptr, dtype):
+    return _emit_nibbles_x2(builder, ptr) if dtype == types.uint8 else _emit_load64(builder, ptr)
+
+
+load_i8x64 = _load_typer("load_i8x64", _emit_load64, i8x64)
 load_i8x64.__doc__ = "64 bytes from flat offset ``index``: two activation blocks."
-nibbles16_x2 = _byte_load_typer("nibbles16_x2", _emit_nibbles_x2)
-nibbles16_x2.__doc__ = ("32 bytes from ``index``, two packed int4 groups of 32, unpacked to 64 codes (0..15) in "
-                        "element order: lanes 0-31 the first group, 32-63 the second.")
-
-
-def _token(token, what: str) -> str:
-    if not isinstance(token, IsaTokenType):
-        raise TypingError(f"{what}: expected an ISA token, got {token}")
-    return token.isa
+block_codes_x2 = _load_typer("block_codes_x2", _emit_block_codes_x2, i8x64)
+block_codes_x2.__doc__ = ("Two group-32 blocks of weight codes at flat offset ``index``, in element order, by the "
+                          "array's dtype: a uint8 array holds packed int4 (32 bytes unpacked to 64 codes 0..15), an "
+                          "int8 array int8 codes (64 bytes).")
 
 
 @intrinsic
 def is_wide(typingctx, token):
     """True for the ``vnni512`` token (its kernels take the 512-bit rows), False for any other: a constant LLVM folds,
     so each kernel specialization keeps one branch."""
-    wide = _token(token, "is_wide") == "vnni512"
+    wide = _token_isa(token, "is_wide") == "vnni512"
 
     def codegen(context, builder, signature, args):
         return context.get_constant(types.boolean, wide)
@@ -122,35 +93,26 @@ def _dot512(builder, isa: str, u, s):
 
 
 @intrinsic
-def dot_u8s8_x2(typingctx, token, u, s):
-    """``i32x16``: lane ``i`` = sum over ``j < 4`` of ``u[4i+j] * s[4i+j]`` (u unsigned, s int8), one ``VPDPBUSD``."""
-    isa = _token(token, "dot_u8s8_x2")
-    if (u, s) != (i8x64, i8x64):
-        raise TypingError(f"dot_u8s8_x2: expected two {i8x64}, got {u}, {s}")
-
-    def codegen(context, builder, signature, args):
-        return _dot512(builder, isa, args[1], args[2])
-
-    return i32x16(token, u, s), codegen
-
-
-@intrinsic
-def dot_s8s8_x2(typingctx, token, w, s):
-    """``i32x16`` as :func:`dot_u8s8_x2` for signed ``w``: ``|w| * (s * sign(w))``. AVX-512 has no ``VPSIGNB``, so
-    the sign is a masked negation; ``s`` must not hold -128 (quantized activations are within -127..127)."""
-    isa = _token(token, "dot_s8s8_x2")
+def dot_codes_x2(typingctx, token, arr, w, s):
+    """``i32x16``: lane ``i`` = sum over ``j < 4`` of ``w[4i+j] * s[4i+j]``, one ``VPDPBUSD``. ``arr`` is the weight
+    array ``w`` came from (:func:`block_codes_x2`): uint8 (int4 codes, unsigned) goes in as it is; int8 as
+    ``|w| * (s * sign(w))``, the sign a masked negation since AVX-512 has no ``VPSIGNB`` (``s`` must not hold -128:
+    quantized activations are within -127..127; ``|-128|`` read as unsigned is 128, still exact)."""
+    isa = _token_isa(token, "dot_codes_x2")
+    signed = code_signedness(arr, "dot_codes_x2")
     if (w, s) != (i8x64, i8x64):
-        raise TypingError(f"dot_s8s8_x2: expected two {i8x64}, got {w}, {s}")
+        raise TypingError(f"dot_codes_x2: expected two {i8x64}, got {w}, {s}")
 
     def codegen(context, builder, signature, args):
-        w_, s_ = args[1], args[2]
+        w_, s_ = args[2], args[3]
+        if not signed:
+            return _dot512(builder, isa, w_, s_)
         absw = builder.call(_fn(builder, "llvm.abs.v64i8", _V8x64, [_V8x64, ir.IntType(1)]),
-                            [w_, ir.Constant(ir.IntType(1), 0)])  # |-128| = 128 read as unsigned: still exact
+                            [w_, ir.Constant(ir.IntType(1), 0)])
         negative = builder.icmp_signed("<", w_, _splat(0, _V8x64))
-        signed = builder.select(negative, builder.sub(_splat(0, _V8x64), s_), s_)
-        return _dot512(builder, isa, absw, signed)
+        return _dot512(builder, isa, absw, builder.select(negative, builder.sub(_splat(0, _V8x64), s_), s_))
 
-    return i32x16(token, w, s), codegen
+    return i32x16(token, arr, w, s), codegen
 
 
 @intrinsic
@@ -210,17 +172,11 @@ def add_f32x16(typingctx, a, b):
 
 @intrinsic
 def sum_f32x16(typingctx, a):
-    """The sum of an ``f32x16``'s lanes, as float32 (halving shuffles)."""
+    """The sum of an ``f32x16``'s lanes, as float32."""
     if a != f32x16:
         raise TypingError(f"sum_f32x16: expected {f32x16}, got {a}")
 
     def codegen(context, builder, signature, args):
-        vec, width = args[0], 16
-        while width > 1:
-            half = width // 2
-            lo = builder.shuffle_vector(vec, vec, _mask(range(half)))
-            hi = builder.shuffle_vector(vec, vec, _mask(range(half, width)))
-            vec, width = builder.fadd(lo, hi), half
-        return builder.extract_element(vec, ir.Constant(_I32, 0))
+        return emit_lane_sum(builder, args[0])
 
     return types.float32(a), codegen

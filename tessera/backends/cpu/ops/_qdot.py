@@ -57,8 +57,8 @@ def _passes(name: str) -> bool:
 
 def self_check(isa: IsaToken) -> str | None:
     """Run the int8 kernels of ``isa`` on small random int4 / int4_min / int8 weights (group 32 and 128, serial and
-    parallel, one and four x rows at a time) against the float64 product of the same quantized activation; None when all agree to fp32 rounding,
-    else what differed. ~0.1 s after compilation."""
+    parallel, one and four x rows at a time) against the float64 product of the same quantized activation; None
+    when all agree to fp32 rounding, else what differed. ~0.1 s after compilation."""
     from tessera.backends.reference.ops.quant import qmatmul_f64
     from tessera.kernels.quant import quantize
 

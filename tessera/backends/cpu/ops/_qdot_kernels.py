@@ -33,8 +33,8 @@ from numba import njit, prange
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops import _qdot_wide as wide
 from tessera.backends.cpu.ops._int8_simd import (
-    add_f32x8, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32,
-    nibbles16, sum_f32x8, zero_f32x8,
+    add_f32x8, block_codes, dot_codes, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32,
+    low_nibbles32, nibbles16, sum_f32x8, zero_f32x8,
 )
 from tessera.backends.cpu.ops._int8_simd512 import is_wide
 
@@ -121,148 +121,85 @@ def _offset(offsets, scales, keep, n, g):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_g32_row_narrow(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
-    """Scaled integer dot of group-32 int4 row ``n`` with activation row ``m`` (without the zero-point term)."""
+def _g32_row_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
+    """Scaled integer dot of group-32 weight row ``n`` with activation row ``m`` (for int4 without the zero-point
+    term). ``w`` is packed int4 (uint8, 16 bytes a block) or int8 (32 bytes a block): ``block_codes`` and
+    ``dot_codes`` pick the unpacking and the dot product from its dtype at compile time."""
     nb = xd.shape[1]
-    hk = packed.shape[1]
-    ng = scales.shape[1]
+    per = w.shape[1] // nb
+    xo = m * xq.shape[1]
+    do = m * nb
+    r = n * w.shape[1]
+    s = n * scales.shape[1]
     # Two accumulators: one FMA chain per row is bound by the FMA latency (4 cycles per block of 32); two chains
-    # took a 4096 x 4096 g32 row kernel from 25-28 to 31-36 GMAC/s per core on Zen 4 (in cache, 2026-12-02).
+    # took a 4096 x 4096 int4 row kernel from 25-28 to 31-36 GMAC/s per core on Zen 4 (in cache, 2026-12-02).
     acc0 = zero_f32x8()
     acc1 = zero_f32x8()
-    xo = m * xq.shape[1]
-    do = m * nb
-    r = n * hk
     b = 0
     while b + 1 < nb:
-        acc0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
-                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-        acc1 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16 + 16), load_i8x32(xq, xo + b * BLOCK + BLOCK)),
-                       load_f32(scales, n * ng + b + 1) * load_f32(xd, do + b + 1), acc1)
+        acc0 = fma_i32(dot_codes(isa, w, block_codes(w, r + b * per), load_i8x32(xq, xo + b * BLOCK)),
+                       load_f32(scales, s + b) * load_f32(xd, do + b), acc0)
+        acc1 = fma_i32(dot_codes(isa, w, block_codes(w, r + (b + 1) * per), load_i8x32(xq, xo + (b + 1) * BLOCK)),
+                       load_f32(scales, s + b + 1) * load_f32(xd, do + b + 1), acc1)
         b += 2
     while b < nb:  # an odd block count (a loop, not an if: see _offset)
-        acc0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
-                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
+        acc0 = fma_i32(dot_codes(isa, w, block_codes(w, r + b * per), load_i8x32(xq, xo + b * BLOCK)),
+                       load_f32(scales, s + b) * load_f32(xd, do + b), acc0)
         b += 1
     return sum_f32x8(add_f32x8(acc0, acc1))
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int8_g32_row_narrow(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
-    """Scaled integer dot of group-32 int8 row ``n`` (GGUF Q8_0) with activation row ``m``."""
-    nb = xd.shape[1]
-    k = q.shape[1]
-    ng = scales.shape[1]
-    xo = m * xq.shape[1]
-    do = m * nb
-    r = n * k
-    acc0 = zero_f32x8()  # two FMA chains, as in _int4_g32_row_narrow
-    acc1 = zero_f32x8()
-    b = 0
-    while b + 1 < nb:
-        acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
-                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-        acc1 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK + BLOCK), load_i8x32(xq, xo + b * BLOCK + BLOCK)),
-                       load_f32(scales, n * ng + b + 1) * load_f32(xd, do + b + 1), acc1)
-        b += 2
-    while b < nb:  # an odd block count (a loop, not an if: see _offset)
-        acc0 = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
-                       load_f32(scales, n * ng + b) * load_f32(xd, do + b), acc0)
-        b += 1
-    return sum_f32x8(add_f32x8(acc0, acc1))
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int8_g32_x4_narrow(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
-    """Row ``n`` of group-32 int8 weights dotted with activation rows ``m .. m + 3``: each block of codes and its
-    scale loaded once for the four rows. Returns the four dots."""
-    nb = xd.shape[1]
-    k = q.shape[1]
-    ng = scales.shape[1]
-    acc0 = zero_f32x8()
-    acc1 = zero_f32x8()
-    acc2 = zero_f32x8()
-    acc3 = zero_f32x8()
-    r = n * k
-    x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
-    d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
-    for b in range(nb):
-        w = load_i8x32(q, r + b * BLOCK)
-        sw = load_f32(scales, n * ng + b)
-        o = b * BLOCK
-        acc0 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), acc0)
-        acc1 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
-        acc2 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
-        acc3 = fma_i32(dot_s8s8(isa, w, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
-    return sum_f32x8(acc0), sum_f32x8(acc1), sum_f32x8(acc2), sum_f32x8(acc3)
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_g32_x4_narrow(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
-    """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3``: each block's codes unpacked
-    once for the four rows, and its scale loaded once. Returns the four dots (without the zero-point terms)."""
+def _g32_x4_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
+    """Group-32 weight row ``n`` (int4 or int8, as :func:`_g32_row_narrow`) dotted with activation rows
+    ``m .. m + 3``: each block's codes unpacked and its scale loaded once for the four rows. Returns the four dots
+    (for int4 without the zero-point terms)."""
     nb = xd.shape[1]
     k = xq.shape[1]
-    hk = packed.shape[1]
-    ng = scales.shape[1]
+    per = w.shape[1] // nb
+    s = n * scales.shape[1]
+    r = n * w.shape[1]
     acc0 = zero_f32x8()
     acc1 = zero_f32x8()
     acc2 = zero_f32x8()
     acc3 = zero_f32x8()
-    r = n * hk
     x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
     d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
     for b in range(nb):
-        w = nibbles16(packed, r + b * 16)
-        sw = load_f32(scales, n * ng + b)
+        c = block_codes(w, r + b * per)
+        sw = load_f32(scales, s + b)
         o = b * BLOCK
-        acc0 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), acc0)
-        acc1 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
-        acc2 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
-        acc3 = fma_i32(dot_u8s8(isa, w, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
+        acc0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), acc0)
+        acc1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
+        acc2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
+        acc3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
     return sum_f32x8(acc0), sum_f32x8(acc1), sum_f32x8(acc2), sum_f32x8(acc3)
 
 
 # ---------------------------------------------------------------------------------------- width dispatch
 # ``is_wide(isa)`` is a compile-time constant per token, so LLVM keeps one branch of each of these.
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_g32_row(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+def _g32_row(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
     if is_wide(isa):
-        return wide.int4_g32_row(isa, xq, xd, m, packed, scales, n)
-    return _int4_g32_row_narrow(isa, xq, xd, m, packed, scales, n)
+        return wide.g32_row(isa, xq, xd, m, w, scales, n)
+    return _g32_row_narrow(isa, xq, xd, m, w, scales, n)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int4_g32_x4(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
+def _g32_x4(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
     if is_wide(isa):
-        return wide.int4_g32_x4(isa, xq, xd, m, packed, scales, n)
-    return _int4_g32_x4_narrow(isa, xq, xd, m, packed, scales, n)
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int8_g32_row(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
-    if is_wide(isa):
-        return wide.int8_g32_row(isa, xq, xd, m, q, scales, n)
-    return _int8_g32_row_narrow(isa, xq, xd, m, q, scales, n)
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _int8_g32_x4(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
-    if is_wide(isa):
-        return wide.int8_g32_x4(isa, xq, xd, m, q, scales, n)
-    return _int8_g32_x4_narrow(isa, xq, xd, m, q, scales, n)
+        return wide.g32_x4(isa, xq, xd, m, w, scales, n)
+    return _g32_x4_narrow(isa, xq, xd, m, w, scales, n)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - compiled
-    """Scaled integer dot of row ``n`` (group 64, 128, ...; group 32 is :func:`_int4_g32_row`) with activation row
+    """Scaled integer dot of row ``n`` (group 64, 128, ...; group 32 is :func:`_g32_row`) with activation row
     ``m``."""
     nb = xd.shape[1]
     hk = packed.shape[1]
     ng = scales.shape[1]
-    # Two accumulators: one FMA chain per row is bound by the FMA latency (4 cycles per block of 32); two chains
-    # took a 4096 x 4096 g32 row kernel from 25-28 to 31-36 GMAC/s per core on Zen 4 (in cache, 2026-12-02).
-    acc0 = zero_f32x8()
+    acc0 = zero_f32x8()  # two FMA chains, as in _g32_row_narrow
     acc1 = zero_f32x8()
     xo = m * xq.shape[1]
     do = m * nb
@@ -285,7 +222,7 @@ def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - c
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out):  # pragma: no cover - compiled
     """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``."""
-    y0, y1, y2, y3 = _int4_g32_x4(isa, xq, xd, m, packed, scales, n)
+    y0, y1, y2, y3 = _g32_x4(isa, xq, xd, m, packed, scales, n)
     for g in range(scales.shape[1]):  # the zero-point or min term of the four rows, each offset loaded once
         off = _offset(offsets, scales, keep, n, g)
         y0 += off * gsums[m, g]
@@ -393,12 +330,14 @@ def _int4_rows_g32(isa, xq, xd, gsums, packed, scales, offsets, keep, out, n_lo,
         for m in range(0, quads, 4):
             _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out)
         for m in range(quads, m_rows):
-            out[m, n] = _int4_g32_row(isa, xq, xd, m, packed, scales, n) + \
+            out[m, n] = _g32_row(isa, xq, xd, m, packed, scales, n) + \
                 _int4_offsets(gsums[m], scales, offsets, keep, n)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _int8_row(isa, xq, xd, m, q, scales, group, n):  # pragma: no cover - compiled
+    """Scaled integer dot of int8 row ``n`` per channel or in groups of 64, 128, ... (group 32 is :func:`_g32_row`)
+    with activation row ``m``."""
     nb = xd.shape[1]
     k = q.shape[1]
     ng = scales.shape[1]
@@ -422,8 +361,6 @@ def _int8_row(isa, xq, xd, m, q, scales, group, n):  # pragma: no cover - compil
             b += 1
         return (sum_f32x8(add_f32x8(acc0, acc1))) * load_f32(scales, n)
     per = group // BLOCK
-    if per == 1:  # group 32 (GGUF Q8_0): a scale per block
-        return _int8_g32_row(isa, xq, xd, m, q, scales, n)
     for g in range(ng):  # group 64 or 128 (any multiple of 32 works: an odd block count leaves one for acc0)
         sw = load_f32(scales, n * ng + g)
         for c in range(0, per - 1, 2):
@@ -442,7 +379,7 @@ def _int8_row(isa, xq, xd, m, q, scales, group, n):  # pragma: no cover - compil
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _int8_row_x4(isa, xq, xd, m, q, scales, n, out):  # pragma: no cover - compiled
     """Row ``n`` of group-32 int8 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``."""
-    y0, y1, y2, y3 = _int8_g32_x4(isa, xq, xd, m, q, scales, n)
+    y0, y1, y2, y3 = _g32_x4(isa, xq, xd, m, q, scales, n)
     out[m, n] = y0
     out[m + 1, n] = y1
     out[m + 2, n] = y2
@@ -454,12 +391,18 @@ def int8_rows(isa, xq, xd, q, scales, group, out, n_lo, n_hi):  # pragma: no cov
     """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int8 weights ``q [N, K]`` with float32 scales
     ``[N, ng]`` (group 32, 64, 128 or per channel, K a multiple of 32)."""
     m_rows = xq.shape[0]
-    quads = m_rows // 4 * 4 if group == BLOCK and scales.shape[1] > 1 else 0  # group 32 (GGUF Q8_0), as in int4
-    for n in range(n_lo, n_hi):  # weight rows outside, as in int4_rows
-        for m in range(0, quads, 4):
-            _int8_row_x4(isa, xq, xd, m, q, scales, n, out)
-        for m in range(quads, m_rows):
-            out[m, n] = _int8_row(isa, xq, xd, m, q, scales, group, n)
+    # The format is chosen here, once, not inside the per-row function (see _offset for why that matters).
+    if group == BLOCK and scales.shape[1] > 1:  # group 32 (GGUF Q8_0): four x rows at a time, as in int4
+        quads = m_rows // 4 * 4
+        for n in range(n_lo, n_hi):  # weight rows outside, as in int4_rows
+            for m in range(0, quads, 4):
+                _int8_row_x4(isa, xq, xd, m, q, scales, n, out)
+            for m in range(quads, m_rows):
+                out[m, n] = _g32_row(isa, xq, xd, m, q, scales, n)
+    else:
+        for n in range(n_lo, n_hi):
+            for m in range(m_rows):
+                out[m, n] = _int8_row(isa, xq, xd, m, q, scales, group, n)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")

@@ -6,6 +6,10 @@ pair's two scales are multiplied together and spread over the vector's halves (:
 row whose block count is not a multiple of the pair (or of the four-block unroll) finishes on the 256-bit operations,
 so any K that is a multiple of 32 works. :mod:`._qdot_kernels` calls these only with the ``vnni512`` token.
 
+One function per shape serves both formats: ``w`` is packed int4 (uint8, 16 bytes a block, codes unsigned) or int8
+(32 bytes a block, codes signed), and :func:`._int8_simd512.block_codes_x2` / :func:`~._int8_simd512.dot_codes_x2`
+pick the unpacking and the dot product from its dtype when the kernel is compiled.
+
 The tails are ``while`` loops that run at most once, not ``if`` blocks: an ``if`` that reads arrays inside these
 inlined per-row functions makes Numba keep reference-count calls in every row (see ``_qdot_kernels._offset``).
 """
@@ -16,41 +20,43 @@ from numba import njit
 
 from tessera.backends.cpu.numba_math import FASTMATH
 from tessera.backends.cpu.ops._int8_simd import (
-    dot_s8s8, dot_u8s8, fma_i32, load_f32, load_i8x32, nibbles16, sum_f32x8, zero_f32x8,
+    block_codes, dot_codes, fma_i32, load_f32, load_i8x32, sum_f32x8, zero_f32x8,
 )
 from tessera.backends.cpu.ops._int8_simd512 import (
-    add_f32x16, dot_s8s8_x2, dot_u8s8_x2, fma_i32x16, load_i8x64, nibbles16_x2, scales_x2, sum_f32x16, zero_f32x16,
+    add_f32x16, block_codes_x2, dot_codes_x2, fma_i32x16, load_i8x64, scales_x2, sum_f32x16, zero_f32x16,
 )
 
 BLOCK = 32
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def int4_g32_row(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
-    """Scaled integer dot of group-32 int4 row ``n`` with activation row ``m`` (without the zero-point term)."""
+def g32_row(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
+    """Scaled integer dot of group-32 weight row ``n`` (int4 or int8, see the module docstring) with activation
+    row ``m`` (for int4 without the zero-point term)."""
     nb = xd.shape[1]
-    hk = packed.shape[1]
+    per = w.shape[1] // nb  # bytes of a block: 16 packed int4, 32 int8
     xo = m * xq.shape[1]
     do = m * nb
-    r = n * hk
+    r = n * w.shape[1]
     s = n * scales.shape[1]
     # Two accumulators: each FMA chain waits out the FMA latency once per four blocks instead of twice.
     acc0 = zero_f32x16()
     acc1 = zero_f32x16()
     b = 0
     while b + 3 < nb:
-        acc0 = fma_i32x16(dot_u8s8_x2(isa, nibbles16_x2(packed, r + b * 16), load_i8x64(xq, xo + b * BLOCK)),
+        acc0 = fma_i32x16(dot_codes_x2(isa, w, block_codes_x2(w, r + b * per), load_i8x64(xq, xo + b * BLOCK)),
                           scales_x2(scales, s + b, xd, do + b), acc0)
-        acc1 = fma_i32x16(dot_u8s8_x2(isa, nibbles16_x2(packed, r + b * 16 + 32), load_i8x64(xq, xo + b * BLOCK + 64)),
+        acc1 = fma_i32x16(dot_codes_x2(isa, w, block_codes_x2(w, r + (b + 2) * per),
+                                       load_i8x64(xq, xo + (b + 2) * BLOCK)),
                           scales_x2(scales, s + b + 2, xd, do + b + 2), acc1)
         b += 4
     while b + 1 < nb:  # at most once
-        acc0 = fma_i32x16(dot_u8s8_x2(isa, nibbles16_x2(packed, r + b * 16), load_i8x64(xq, xo + b * BLOCK)),
+        acc0 = fma_i32x16(dot_codes_x2(isa, w, block_codes_x2(w, r + b * per), load_i8x64(xq, xo + b * BLOCK)),
                           scales_x2(scales, s + b, xd, do + b), acc0)
         b += 2
     total = sum_f32x16(add_f32x16(acc0, acc1))
     while b < nb:  # an odd block count: the last block on 256-bit vectors
-        tail = fma_i32(dot_u8s8(isa, nibbles16(packed, r + b * 16), load_i8x32(xq, xo + b * BLOCK)),
+        tail = fma_i32(dot_codes(isa, w, block_codes(w, r + b * per), load_i8x32(xq, xo + b * BLOCK)),
                        load_f32(scales, s + b) * load_f32(xd, do + b), zero_f32x8())
         total += sum_f32x8(tail)
         b += 1
@@ -58,14 +64,14 @@ def int4_g32_row(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compi
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def int4_g32_x4(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compiled
-    """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3``: each pair of blocks unpacked
-    once for the four rows. Returns the four dots (without the zero-point terms)."""
+def g32_x4(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
+    """Group-32 weight row ``n`` dotted with activation rows ``m .. m + 3``: each pair of blocks unpacked once for the
+    four rows. Returns the four dots (for int4 without the zero-point terms)."""
     nb = xd.shape[1]
     k = xq.shape[1]
-    hk = packed.shape[1]
+    per = w.shape[1] // nb
     s = n * scales.shape[1]
-    r = n * hk
+    r = n * w.shape[1]
     acc0 = zero_f32x16()
     acc1 = zero_f32x16()
     acc2 = zero_f32x16()
@@ -74,94 +80,24 @@ def int4_g32_x4(isa, xq, xd, m, packed, scales, n):  # pragma: no cover - compil
     d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
     b = 0
     while b + 1 < nb:
-        w = nibbles16_x2(packed, r + b * 16)
+        c = block_codes_x2(w, r + b * per)
         o = b * BLOCK
-        acc0 = fma_i32x16(dot_u8s8_x2(isa, w, load_i8x64(xq, x0 + o)), scales_x2(scales, s + b, xd, d0 + b), acc0)
-        acc1 = fma_i32x16(dot_u8s8_x2(isa, w, load_i8x64(xq, x1 + o)), scales_x2(scales, s + b, xd, d1 + b), acc1)
-        acc2 = fma_i32x16(dot_u8s8_x2(isa, w, load_i8x64(xq, x2 + o)), scales_x2(scales, s + b, xd, d2 + b), acc2)
-        acc3 = fma_i32x16(dot_u8s8_x2(isa, w, load_i8x64(xq, x3 + o)), scales_x2(scales, s + b, xd, d3 + b), acc3)
+        acc0 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x0 + o)), scales_x2(scales, s + b, xd, d0 + b), acc0)
+        acc1 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x1 + o)), scales_x2(scales, s + b, xd, d1 + b), acc1)
+        acc2 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x2 + o)), scales_x2(scales, s + b, xd, d2 + b), acc2)
+        acc3 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x3 + o)), scales_x2(scales, s + b, xd, d3 + b), acc3)
         b += 2
     y0 = sum_f32x16(acc0)
     y1 = sum_f32x16(acc1)
     y2 = sum_f32x16(acc2)
     y3 = sum_f32x16(acc3)
     while b < nb:  # an odd block count: the last block on 256-bit vectors
-        w8 = nibbles16(packed, r + b * 16)
+        c8 = block_codes(w, r + b * per)
         sw = load_f32(scales, s + b)
         o = b * BLOCK
-        y0 += sum_f32x8(fma_i32(dot_u8s8(isa, w8, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), zero_f32x8()))
-        y1 += sum_f32x8(fma_i32(dot_u8s8(isa, w8, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), zero_f32x8()))
-        y2 += sum_f32x8(fma_i32(dot_u8s8(isa, w8, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), zero_f32x8()))
-        y3 += sum_f32x8(fma_i32(dot_u8s8(isa, w8, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), zero_f32x8()))
+        y0 += sum_f32x8(fma_i32(dot_codes(isa, w, c8, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), zero_f32x8()))
+        y1 += sum_f32x8(fma_i32(dot_codes(isa, w, c8, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), zero_f32x8()))
+        y2 += sum_f32x8(fma_i32(dot_codes(isa, w, c8, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), zero_f32x8()))
+        y3 += sum_f32x8(fma_i32(dot_codes(isa, w, c8, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), zero_f32x8()))
         b += 1
     return y0, y1, y2, y3
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def int8_g32_row(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
-    """Scaled integer dot of group-32 int8 row ``n`` (GGUF Q8_0) with activation row ``m``."""
-    nb = xd.shape[1]
-    k = q.shape[1]
-    xo = m * xq.shape[1]
-    do = m * nb
-    r = n * k
-    s = n * scales.shape[1]
-    acc0 = zero_f32x16()
-    acc1 = zero_f32x16()
-    b = 0
-    while b + 3 < nb:
-        acc0 = fma_i32x16(dot_s8s8_x2(isa, load_i8x64(q, r + b * BLOCK), load_i8x64(xq, xo + b * BLOCK)),
-                          scales_x2(scales, s + b, xd, do + b), acc0)
-        acc1 = fma_i32x16(dot_s8s8_x2(isa, load_i8x64(q, r + b * BLOCK + 64), load_i8x64(xq, xo + b * BLOCK + 64)),
-                          scales_x2(scales, s + b + 2, xd, do + b + 2), acc1)
-        b += 4
-    while b + 1 < nb:  # at most once
-        acc0 = fma_i32x16(dot_s8s8_x2(isa, load_i8x64(q, r + b * BLOCK), load_i8x64(xq, xo + b * BLOCK)),
-                          scales_x2(scales, s + b, xd, do + b), acc0)
-        b += 2
-    total = sum_f32x16(add_f32x16(acc0, acc1))
-    while b < nb:  # an odd block count: the last block on 256-bit vectors
-        tail = fma_i32(dot_s8s8(isa, load_i8x32(q, r + b * BLOCK), load_i8x32(xq, xo + b * BLOCK)),
-                       load_f32(scales, s + b) * load_f32(xd, do + b), zero_f32x8())
-        total += sum_f32x8(tail)
-        b += 1
-    return total
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def int8_g32_x4(isa, xq, xd, m, q, scales, n):  # pragma: no cover - compiled
-    """Row ``n`` of group-32 int8 weights dotted with activation rows ``m .. m + 3``; returns the four dots."""
-    nb = xd.shape[1]
-    k = q.shape[1]
-    s = n * scales.shape[1]
-    r = n * k
-    acc0 = zero_f32x16()
-    acc1 = zero_f32x16()
-    acc2 = zero_f32x16()
-    acc3 = zero_f32x16()
-    x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
-    d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
-    b = 0
-    while b + 1 < nb:
-        w = load_i8x64(q, r + b * BLOCK)
-        o = b * BLOCK
-        acc0 = fma_i32x16(dot_s8s8_x2(isa, w, load_i8x64(xq, x0 + o)), scales_x2(scales, s + b, xd, d0 + b), acc0)
-        acc1 = fma_i32x16(dot_s8s8_x2(isa, w, load_i8x64(xq, x1 + o)), scales_x2(scales, s + b, xd, d1 + b), acc1)
-        acc2 = fma_i32x16(dot_s8s8_x2(isa, w, load_i8x64(xq, x2 + o)), scales_x2(scales, s + b, xd, d2 + b), acc2)
-        acc3 = fma_i32x16(dot_s8s8_x2(isa, w, load_i8x64(xq, x3 + o)), scales_x2(scales, s + b, xd, d3 + b), acc3)
-        b += 2
-    y0 = sum_f32x16(acc0)
-    y1 = sum_f32x16(acc1)
-    y2 = sum_f32x16(acc2)
-    y3 = sum_f32x16(acc3)
-    while b < nb:  # an odd block count: the last block on 256-bit vectors
-        w8 = load_i8x32(q, r + b * BLOCK)
-        sw = load_f32(scales, s + b)
-        o = b * BLOCK
-        y0 += sum_f32x8(fma_i32(dot_s8s8(isa, w8, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), zero_f32x8()))
-        y1 += sum_f32x8(fma_i32(dot_s8s8(isa, w8, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), zero_f32x8()))
-        y2 += sum_f32x8(fma_i32(dot_s8s8(isa, w8, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), zero_f32x8()))
-        y3 += sum_f32x8(fma_i32(dot_s8s8(isa, w8, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), zero_f32x8()))
-        b += 1
-    return y0, y1, y2, y3
-
