@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import torch
 
-from tessera.attention import masks
 from tessera.attention.execute import execute
-from tessera.attention.scores import Softcap
+from tessera.attention.lengths import ragged_batch
+from tessera.attention.plan_cache import PlanCache
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
 from tessera.dtypes import FLOAT_DTYPES
 
 
-#: Recent cpu plans of the dense / ragged entry points, keyed by (spec object, lengths): a model calls attention
-#: layer after layer with one spec and the same lengths, and planning costs ~0.15-0.35 ms per call on this machine
-#: (4% of a B=8, L=4096 decode). Only specs whose plan depends on nothing a caller could change in place qualify.
-_PLANS: OrderedDict = OrderedDict()
-_PLAN_CACHE_SIZE = 8
-_PLANS_LOCK = threading.Lock()  # the server may call attention from several threads
-_PURE_MASKS = (masks._Causal, masks._SlidingWindow, masks._Chunked, masks._PrefixLM)
+#: Plans of the dense / ragged entry points (see PlanCache for why they are reused).
+PLANS = PlanCache()
 
 
 def attention(
@@ -97,20 +89,12 @@ def varlen_attention(
     ``[sum(q_lens), Hq, D]`` in q's dtype (and lse ``[sum(q_lens), Hq]`` float32 when asked).
     """
     _check_tensors(q, k, v, spec, ndim=3)
-    q_lens_t, kv_lens_t = as_lengths(q_lens, "q_lens"), as_lengths(kv_lens, "kv_lens")
-    if len(q_lens_t) != len(kv_lens_t):
-        raise ValueError(f"varlen_attention: {len(q_lens_t)} q_lens but {len(kv_lens_t)} kv_lens; give one of each per sequence")
-    for s, (ql, kl) in enumerate(zip(q_lens_t, kv_lens_t)):
-        if ql > kl:
-            raise ValueError(f"varlen_attention: sequence {s} has q_len {ql} > kv_len {kl}; the kv must include the queries")
-    if sum(q_lens_t) != q.shape[0] or sum(kv_lens_t) != k.shape[0]:
+    batch = ragged_batch(q_lens, kv_lens, spec, "varlen_attention")
+    if batch.total_q != q.shape[0] or batch.total_kv != k.shape[0]:
         raise ValueError(
-            f"varlen_attention: sum(q_lens) = {sum(q_lens_t)} and sum(kv_lens) = {sum(kv_lens_t)} must equal the "
+            f"varlen_attention: sum(q_lens) = {batch.total_q} and sum(kv_lens) = {batch.total_kv} must equal the "
             f"token counts of q ({q.shape[0]}) and k/v ({k.shape[0]})"
         )
-    batch = RaggedBatch(q_lens_t, kv_lens_t)
-    if spec.mask is not None:
-        spec.mask.check_lengths(batch.num_seqs, list(kv_lens_t), dense=False)
     out, lse = _run(q, k, v, batch, spec, backend)
     return (out, lse) if return_lse else out
 
@@ -124,45 +108,9 @@ def _run(q, k, v, batch: RaggedBatch, spec: AttentionSpec, backend: str):
     return execute(chosen, state, spec, q, k, v, batch.total_q)
 
 
-def _pure(mask) -> bool:
-    """True when the mask is built only from position rules (no tensors, no user functions)."""
-    if mask is None or isinstance(mask, _PURE_MASKS):
-        return True
-    if isinstance(mask, masks._And):  # also _Or
-        return _pure(mask.a) and _pure(mask.b)
-    return isinstance(mask, masks._Not) and _pure(mask.inner)
-
-
 def _plan(chosen, spec: AttentionSpec, batch: RaggedBatch):
-    """``chosen.plan`` for a contiguous batch, reused for the same spec object and lengths (cpu backend only)."""
-    if chosen.name != "cpu" or not _pure(spec.mask) or not (spec.score is None or isinstance(spec.score, Softcap)):
-        return chosen.plan(spec, batch, KVLayout.contiguous(batch))
-    key = (id(spec), batch.q_lens, batch.kv_lens)
-    with _PLANS_LOCK:
-        hit = _PLANS.get(key)
-        if hit is not None and hit[0] is spec:  # the entry holds the spec, so its id cannot have been reused
-            _PLANS.move_to_end(key)
-            return hit[1]
-    state = chosen.plan(spec, batch, KVLayout.contiguous(batch))
-    with _PLANS_LOCK:
-        _PLANS[key] = (spec, state)
-        while len(_PLANS) > _PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return state
-
-
-def as_lengths(lens, name: str, where: str = "varlen_attention") -> tuple[int, ...]:
-    if isinstance(lens, torch.Tensor):
-        if lens.dim() != 1 or lens.dtype.is_floating_point or lens.dtype == torch.bool:
-            raise TypeError(f"{where}: {name} must be a 1-D integer tensor or a list of ints, got {lens.dtype} {tuple(lens.shape)}")
-        lens = lens.tolist()
-    try:
-        out = tuple(int(x) for x in lens)
-    except (TypeError, ValueError):
-        raise TypeError(f"{where}: {name} must be a list of ints or a 1-D int tensor, got {lens!r}") from None
-    if any(x < 0 for x in out):
-        raise ValueError(f"{where}: {name} must be >= 0, got {list(out)}")
-    return out
+    """``chosen.plan`` for a contiguous batch, reused for specs of the same structure and the same lengths."""
+    return PLANS.get(chosen.name, spec, batch, lambda: chosen.plan(spec, batch, KVLayout.contiguous(batch)))
 
 
 def _check_tensors(q, k, v, spec: AttentionSpec, ndim: int) -> None:

@@ -45,6 +45,11 @@ class Mask:
     def check_lengths(self, num_seqs: int, kv_lens: list[int], dense: bool) -> None:
         """Raise ValueError when the mask cannot cover these sequences (only document masks can fail)."""
 
+    def structure_key(self) -> tuple | None:
+        """A hashable description that fixes this mask's every value (equal keys, equal masks), or None when the mask
+        holds tensors or user functions. Plan caches key on it, so two ``causal()`` objects share plans."""
+        return None
+
     def __and__(self, other: Mask) -> Mask:
         return _And(self, _as_mask(other, "&"))
 
@@ -73,6 +78,9 @@ class _Causal(Mask):
         empty = kv_lo > q_hi - 1
         return _classes(full, empty)
 
+    def structure_key(self) -> tuple:
+        return ("causal",)
+
     def __repr__(self) -> str:
         return "causal()"
 
@@ -89,6 +97,9 @@ class _SlidingWindow(Mask):
         full = (kv_hi - 1 <= q_lo) & (kv_lo > q_hi - 1 - w)
         empty = (kv_lo > q_hi - 1) | (kv_hi - 1 <= q_lo - w)
         return _classes(full, empty)
+
+    def structure_key(self) -> tuple:
+        return ("sliding_window", self.window)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window})"
@@ -110,6 +121,9 @@ class _Chunked(Mask):
         empty = (q_last < k_first) | (k_last < q_first)
         return _classes(full, empty)
 
+    def structure_key(self) -> tuple:
+        return ("chunked", self.chunk_size)
+
     def __repr__(self) -> str:
         return f"chunked({self.chunk_size})"
 
@@ -128,6 +142,9 @@ class _PrefixLM(Mask):
         full = (kv_hi - 1 < p) | (kv_hi - 1 <= q_lo)
         empty = (kv_lo >= p) & (kv_lo > q_hi - 1)
         return _classes(full, empty)
+
+    def structure_key(self) -> tuple:
+        return ("prefix_lm", self.prefix_len)
 
     def __repr__(self) -> str:
         return f"prefix_lm({self.prefix_len})"
@@ -245,6 +262,10 @@ class _And(Mask):
         self.a.check_lengths(num_seqs, kv_lens, dense)
         self.b.check_lengths(num_seqs, kv_lens, dense)
 
+    def structure_key(self) -> tuple | None:
+        a, b = self.a.structure_key(), self.b.structure_key()
+        return None if a is None or b is None else (type(self).__name__, a, b)
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -275,6 +296,10 @@ class _Not(Mask):
 
     def check_lengths(self, num_seqs, kv_lens, dense):
         self.inner.check_lengths(num_seqs, kv_lens, dense)
+
+    def structure_key(self) -> tuple | None:
+        inner = self.inner.structure_key()
+        return None if inner is None else ("not", inner)
 
     def __repr__(self) -> str:
         return f"~{self.inner!r}"

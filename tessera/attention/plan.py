@@ -12,10 +12,10 @@ import math
 import numpy as np
 import torch
 
-from tessera.attention.api import as_lengths
+from tessera.attention.lengths import ragged_batch
 from tessera.attention.execute import execute
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
+from tessera.backends.base import DEFAULT_PLAN_OPTIONS, AttentionRequest, KVLayout, PlanOptions, RaggedBatch, select
 from tessera.dtypes import FLOAT_DTYPES
 
 
@@ -23,8 +23,8 @@ class AttentionPlan:
     """A planned step; call :meth:`run` once per layer. Build it with :func:`plan`."""
 
     def __init__(self, spec: AttentionSpec, batch: RaggedBatch, page_table: np.ndarray, page_size: int,
-                 backend_name: str) -> None:
-        self.spec, self.batch, self.page_size = spec, batch, page_size
+                 backend_name: str, options: PlanOptions = DEFAULT_PLAN_OPTIONS) -> None:
+        self.spec, self.batch, self.page_size, self.options = spec, batch, page_size, options
         self._layout = KVLayout.paged(page_table, page_size)
         used = [page_table[s, : math.ceil(kl / page_size)] for s, kl in enumerate(batch.kv_lens)]
         self._max_page = max((int(u.max()) for u in used if u.size), default=-1)
@@ -57,11 +57,11 @@ class AttentionPlan:
     def backend_state(self, dtype: torch.dtype, device: torch.device) -> tuple[object, object]:
         """``(backend, its plan)`` for tensors of ``dtype`` on ``device``: chosen and planned on the first call.
 
-        For callers that fuse attention into a larger kernel of the same backend (``tessera.models.fused_decode``).
+        For callers that fuse attention into a larger kernel of the same backend (``tessera.backends.cpu.ops.fused_decode``).
         """
         if self._backend is None:
             self._backend = select(AttentionRequest(self.spec, dtype, device, layout="paged"), self._backend_name)
-            self._state = self._backend.plan(self.spec, self.batch, self._layout)
+            self._state = self._backend.plan(self.spec, self.batch, self._layout, self.options)
         return self._backend, self._state
 
     def _check(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
@@ -91,6 +91,7 @@ def plan(
     page_size: int,
     *,
     backend: str = "auto",
+    shared_prefix: bool = True,
 ) -> AttentionPlan:
     """Plan one step of batched attention over a paged KV cache.
 
@@ -104,6 +105,10 @@ def plan(
         Row ``s`` lists sequence ``s``'s pages in order; entries past ``ceil(kv_lens[s] / page_size)`` are ignored.
     page_size : tokens per page.
     backend : "auto" or a backend name.
+    shared_prefix : bool
+        Let the backend attend to pages that several sequences share (the same page ids at the start of their tables)
+        once for all of them, as a cascade (see :class:`~tessera.backends.base.PlanOptions`); False reads every
+        sequence's cache on its own. Results agree to float32 rounding either way.
 
     Examples
     --------
@@ -115,17 +120,11 @@ def plan(
         raise TypeError(f"plan: spec must be an AttentionSpec, got {type(spec).__name__}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"plan: page_size must be an int >= 1, got {page_size!r}")
-    q_lens_t, kv_lens_t = as_lengths(q_lens, "q_lens", "plan"), as_lengths(kv_lens, "kv_lens", "plan")
-    if len(q_lens_t) != len(kv_lens_t):
-        raise ValueError(f"plan: {len(q_lens_t)} q_lens but {len(kv_lens_t)} kv_lens; give one of each per sequence")
-    for s, (ql, kl) in enumerate(zip(q_lens_t, kv_lens_t)):
-        if ql > kl:
-            raise ValueError(f"plan: sequence {s} has q_len {ql} > kv_len {kl}; the cache must hold the queries' k/v")
-    table = _check_page_table(page_table, kv_lens_t, page_size)
-    batch = RaggedBatch(q_lens_t, kv_lens_t)
-    if spec.mask is not None:
-        spec.mask.check_lengths(batch.num_seqs, list(kv_lens_t), dense=False)
-    return AttentionPlan(spec, batch, table, page_size, backend)
+    batch = ragged_batch(q_lens, kv_lens, spec, "plan")
+    table = _check_page_table(page_table, batch.kv_lens, page_size)
+    if not isinstance(shared_prefix, bool):
+        raise TypeError(f"plan: shared_prefix must be a bool, got {shared_prefix!r}")
+    return AttentionPlan(spec, batch, table, page_size, backend, PlanOptions(shared_prefix=shared_prefix))
 
 
 def _check_page_table(page_table: torch.Tensor, kv_lens: tuple[int, ...], page_size: int) -> np.ndarray:

@@ -25,6 +25,11 @@ class ScoreMod:
     def check_heads(self, num_q_heads: int) -> None:
         """Raise ValueError when per-head parameters do not match ``num_q_heads``."""
 
+    def structure_key(self) -> tuple | None:
+        """A hashable description that fixes this score function (see ``Mask.structure_key``), or None when it holds
+        tensors or user functions."""
+        return None
+
 
 class Softcap(ScoreMod):
     """``cap * tanh(score / cap)`` (Gemma 2, Grok)."""
@@ -36,6 +41,9 @@ class Softcap(ScoreMod):
 
     def apply(self, score, b, h, q_pos, kv_pos):
         return torch.tanh(score / self.cap) * self.cap
+
+    def structure_key(self) -> tuple:
+        return ("softcap", self.cap)
 
     def __repr__(self) -> str:
         return f"softcap({self.cap})"

@@ -110,6 +110,21 @@ class AttentionSpec:
         """The scale actually applied: ``scale`` or ``1 / sqrt(head_dim)``."""
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
+    def structure_key(self) -> tuple | None:
+        """A hashable key equal for specs that compute the same thing, or None when the spec holds values a caller can
+        change in place or that cannot be compared (sinks, ALiBi slopes, document ids, user functions).
+
+        Plan caches key on it rather than on the spec object: a model that builds a fresh ``AttentionSpec`` per call
+        still reuses one plan, and a key never outlives the meaning it was built from.
+        """
+        if self.sinks is not None:
+            return None
+        mask = None if self.mask is None else self.mask.structure_key()
+        score = None if self.score is None else self.score.structure_key()
+        if (self.mask is not None and mask is None) or (self.score is not None and score is None):
+            return None
+        return (self.num_q_heads, self.num_kv_heads, self.head_dim, self.softmax_scale, mask, score)
+
     def __repr__(self) -> str:
         parts = [f"{self.num_q_heads}q/{self.num_kv_heads}kv x {self.head_dim}"]
         if self.mask is not None:

@@ -53,6 +53,24 @@ class AttentionRequest:
     layout: str = "ragged"  # "ragged" (contiguous per sequence) or "paged"
 
 
+@dataclass(frozen=True, slots=True)
+class PlanOptions:
+    """How a backend may run a planned step; every backend accepts these and ignores what it has no use for.
+
+    Attributes
+    ----------
+    shared_prefix : bool
+        Sequences whose leading pages are the same pages may attend to that prefix in one shared pass and merge it
+        into each sequence's own part by log-sum-exp (a cascade). Off, every sequence reads its whole cache itself:
+        what a benchmark compares the cascade against.
+    """
+
+    shared_prefix: bool = True
+
+
+DEFAULT_PLAN_OPTIONS = PlanOptions()
+
+
 class Backend(Protocol):
     """One hardware target. Every backend runs the same conformance suite."""
 
@@ -71,8 +89,10 @@ class Backend(Protocol):
         """Reasons this backend cannot serve ``request`` (empty when it can)."""
         ...
 
-    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> object:
-        """Host-side state for one step (validated lengths; depends on lengths and the mask, never on values)."""
+    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout,
+             options: PlanOptions = DEFAULT_PLAN_OPTIONS) -> object:
+        """Host-side state for one step (validated lengths; depends on lengths, the spec's structure and ``options``,
+        never on tensor values)."""
         ...
 
     def run(self, state: object, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,

@@ -218,6 +218,25 @@ def test_shared_prefix_cascade_matches_oracle(mask_name: str, dtype: torch.dtype
         assert cascades == []
 
 
+def test_shared_prefix_option_off_reads_each_cache_alone() -> None:
+    """``plan(shared_prefix=False)`` plans no cascade and computes the same attention (to float32 rounding)."""
+    from tessera.backends.cpu.cascade import MIN_PREFIX_KEYS
+
+    gen = torch.Generator().manual_seed(seed_of("shared_prefix_off"))
+    layout, q, k_pages, v_pages, table, k, v = shared_prefix_batch(gen, torch.float32, MIN_PREFIX_KEYS // 16 + 2,
+                                                                   [1, 9, 30])
+    spec = AttentionSpec(8, 2, 32, mask=causal())
+    on, off = (plan(spec, list(layout.q_lens), list(layout.kv_lens), table, 16, backend="cpu", shared_prefix=flag)
+               for flag in (True, False))
+    out_on = on.run(q, k_pages, v_pages)
+    out_off, lse_off = off.run(q, k_pages, v_pages, return_lse=True)
+    assert len(on._state.cascades) == 1 and off._state.cascades == []
+    assert_matches_oracle(out_off, lse_off, *oracle(q, k, v, layout, spec), torch.float32, "shared_prefix=False")
+    torch.testing.assert_close(out_on, out_off, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="shared_prefix must be a bool"):
+        plan(spec, list(layout.q_lens), list(layout.kv_lens), table, 16, shared_prefix="no")
+
+
 CASCADE_SHAPES = [
     pytest.param(2, 32, None, id="kernel"),
     pytest.param(1, 64, None, id="kernel-mqa-key-parts"),  # one kv head: the prefix is cut into parts, then merged

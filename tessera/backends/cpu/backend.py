@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
+from tessera.backends.base import DEFAULT_PLAN_OPTIONS, AttentionRequest, KVLayout, PlanOptions, RaggedBatch
 from tessera.backends.cpu.cascade import Cascade, cascade_prefix, find_cascades, merge_cascade
 from tessera.backends.cpu.decode import DECODE_MAX_Q, DecodePlan, kernel_supports
 from tessera.backends.cpu.prefill import prefill_attention
@@ -65,10 +65,12 @@ class CpuBackend:
             reasons.append(f"storage dtype {request.dtype} is not one of float32, bfloat16, float16")
         return reasons
 
-    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> CpuPlan:
-        """Host-side work of one step: routing, decode segments and masks of partial decode tiles."""
+    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout,
+             options: PlanOptions = DEFAULT_PLAN_OPTIONS) -> CpuPlan:
+        """Host-side work of one step: routing, decode segments, masks of partial decode tiles and, when
+        ``options.shared_prefix``, the cascades over shared prefixes."""
         decode_seqs, prefill_seqs = self._split(batch, spec)
-        cascades = find_cascades(batch, decode_seqs, spec, layout)
+        cascades = find_cascades(batch, decode_seqs, spec, layout) if options.shared_prefix else []
         kv_begin = {s: c.prefix_len for c in cascades for s in c.members}
         decode = DecodePlan.build(batch, decode_seqs, spec, layout, kv_begin) if decode_seqs else None
         return CpuPlan(spec, batch, layout, decode, prefill_seqs, cascades)

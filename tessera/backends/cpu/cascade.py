@@ -33,8 +33,6 @@ from tessera.backends.cpu.simd import LANES
 MIN_PREFIX_KEYS = 256
 #: Prefix merges of at most this many part elements run on the calling thread (waking the pool costs more).
 SERIAL_MERGE_ELEMENTS = 1 << 20
-#: Switch for measuring the cascade against its absence (benchmarks/paged_cpu.py); plans read it when built.
-ENABLED = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +50,7 @@ class Cascade:
 
 def find_cascades(batch: RaggedBatch, seqs: list[int], spec: AttentionSpec, layout: KVLayout) -> list[Cascade]:
     """Groups of at least two of ``seqs`` whose leading pages are identical, with the longest safe shared prefix."""
-    if not ENABLED or layout.row_base.shape[1] < 2 or not (spec.score is None or isinstance(spec.score, Softcap)):
+    if layout.row_base.shape[1] < 2 or not (spec.score is None or isinstance(spec.score, Softcap)):
         return []  # contiguous batches share nothing; position-dependent scores differ per request
     groups: dict[int, list[int]] = {}
     for s in seqs:

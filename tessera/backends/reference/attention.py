@@ -76,7 +76,7 @@ class ReferenceBackend:
     def why_not(self, request) -> list[str]:
         return []
 
-    def plan(self, spec, batch, layout):
+    def plan(self, spec, batch, layout, options=None):
         return (spec, batch, layout)
 
     def run(self, plan, q, k_rows, v_rows, out, lse):

@@ -8,7 +8,7 @@ import importlib.util
 import torch
 
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
+from tessera.backends.base import AttentionRequest, KVLayout, PlanOptions, RaggedBatch
 from tessera.backends.triton.configs import interpreting
 from tessera.dtypes import FLOAT_DTYPES
 
@@ -53,7 +53,7 @@ class TritonBackend:
             reasons.append(untranslatable)
         return reasons
 
-    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout):
+    def plan(self, spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout, options: PlanOptions | None = None):
         from tessera.backends.triton.runner import build_plan  # imports triton; only when the backend is used
 
         return build_plan(spec, batch, layout)

@@ -53,18 +53,12 @@ def make_shared_prefix_batch(n: int, prefix: int, own: int, gen: torch.Generator
 
 def cascade_plans(spec: AttentionSpec, q_lens: list[int], kv_lens: list[int], table: torch.Tensor, q: torch.Tensor,
                   k_pages: torch.Tensor, v_pages: torch.Tensor) -> dict[bool, object]:
-    """Plans of one step with the cpu backend's shared-prefix cascade on (``True``) and off (``False``), each run
-    once so that its backend plan exists (the switch is read when that plan is built)."""
-    from tessera.backends.cpu import cascade
-
+    """Plans of one step with the shared-prefix cascade on (``True``) and off (``False``), each run once so that its
+    backend plan exists."""
     plans = {}
-    try:
-        for enabled in (True, False):
-            cascade.ENABLED = enabled
-            plans[enabled] = plan(spec, q_lens, kv_lens, table, PAGE, backend="cpu")
-            plans[enabled].run(q, k_pages, v_pages)
-    finally:
-        cascade.ENABLED = True
+    for enabled in (True, False):
+        plans[enabled] = plan(spec, q_lens, kv_lens, table, PAGE, backend="cpu", shared_prefix=enabled)
+        plans[enabled].run(q, k_pages, v_pages)
     return plans
 
 
