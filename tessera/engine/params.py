@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.kernels.sampling import SamplingParams as KernelSamplingParams
+from tessera.kernels.sampling import SamplerParams
 
 #: the most alternatives per token a request may ask for (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(slots=True)
-class SamplingParams(KernelSamplingParams):
+class SamplingParams(SamplerParams):
     """The sampler's parameters plus when to stop and what to report (vLLM names).
 
     Attributes
     ----------
     temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed :
-        As :class:`tessera.kernels.sampling.SamplingParams` (temperature 0 = greedy).
+        As :class:`tessera.kernels.sampling.SamplerParams` (temperature 0 = greedy).
     max_tokens : int >= 1; generated tokens at most (finish_reason "length").
     stop : strings that end generation when they appear in the text; the stop string is trimmed from the text.
     stop_token_ids : token ids that end generation (besides the model's EOS unless ``ignore_eos``); the token is
@@ -46,7 +46,7 @@ class SamplingParams(KernelSamplingParams):
     n: int = 1
 
     def __post_init__(self) -> None:
-        KernelSamplingParams.__post_init__(self)  # zero-arg super() breaks in slotted dataclasses
+        SamplerParams.__post_init__(self)  # zero-arg super() breaks in slotted dataclasses
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:

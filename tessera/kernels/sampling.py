@@ -18,8 +18,11 @@ from tessera.kernels import registry
 
 
 @dataclass(slots=True)
-class SamplingParams:
-    """One request's sampling parameters (vLLM / Hugging Face names and semantics).
+class SamplerParams:
+    """What the batched sampler needs of one row (vLLM / Hugging Face names and semantics).
+
+    Users of the engine pass :class:`tessera.engine.SamplingParams`, which is this plus when to stop and what to
+    report; ``sample`` takes either.
 
     Applied in this order: penalties -> temperature -> top-k -> top-p -> min-p -> draw.
 
@@ -56,9 +59,9 @@ class SamplingParams:
         ]
         for ok, name, want in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {want}, got {getattr(self, name)!r}")
+                raise ValueError(f"{type(self).__name__}.{name} must be {want}, got {getattr(self, name)!r}")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise TypeError(f"SamplingParams.seed must be an int or None, got {type(self.seed).__name__}")
+            raise TypeError(f"{type(self).__name__}.seed must be an int or None, got {type(self.seed).__name__}")
 
     @property
     def has_penalties(self) -> bool:
@@ -178,7 +181,7 @@ def topk(logits: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[torch.
 
 def sample(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
+    params: Sequence[SamplerParams],
     *,
     token_counts: torch.Tensor | Sequence[Sequence[int] | None] | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
@@ -194,7 +197,7 @@ def sample(
     Parameters
     ----------
     logits : torch.Tensor ``[B, V]``, float32 / bfloat16 / float16; every row needs a finite logit.
-    params : list of B :class:`SamplingParams`, one per row.
+    params : list of B :class:`SamplerParams`, one per row.
     token_counts : the tokens each row has seen (prompt + output), for the penalties: None, an integer tensor
         ``[B, V]`` of counts, or B sequences of token ids (None for a row that saw nothing). All three penalties use
         these counts (vLLM counts only output tokens for presence / frequency: pass those if you want that).
@@ -210,13 +213,13 @@ def sample(
 
     Examples
     --------
-    >>> ids, lps = sample(logits, [SamplingParams(temperature=0.8, top_p=0.95, seed=1), SamplingParams(0.0)])
+    >>> ids, lps = sample(logits, [SamplerParams(temperature=0.8, top_p=0.95, seed=1), SamplerParams(0.0)])
     """
     _check_logits("sample", logits)
     batch, vocab = logits.shape
     params = list(params)
-    if len(params) != batch or not all(isinstance(p, SamplingParams) for p in params):
-        raise ValueError(f"sample: params must be a list of {batch} SamplingParams (one per row of logits), "
+    if len(params) != batch or not all(isinstance(p, SamplerParams) for p in params):
+        raise ValueError(f"sample: params must be a list of {batch} SamplerParams (one per row of logits), "
                          f"got {len(params)} items")
     if generators is not None and len(generators) != batch:
         raise ValueError(f"sample: generators must have one entry (or None) per row: expected {batch}, "
@@ -225,7 +228,7 @@ def sample(
     return registry.resolve("sample", backend, logits.device)(logits, tensors)
 
 
-def build_batch(params: list[SamplingParams], vocab: int, token_counts, generators) -> SamplingBatch:
+def build_batch(params: list[SamplerParams], vocab: int, token_counts, generators) -> SamplingBatch:
     """Pack per-row params, seen-token counts and each row's uniform draw into a :class:`SamplingBatch`."""
     f64 = torch.float64
 
@@ -243,7 +246,7 @@ def build_batch(params: list[SamplingParams], vocab: int, token_counts, generato
     )
 
 
-def _uniforms(params: list[SamplingParams], generators) -> torch.Tensor:
+def _uniforms(params: list[SamplerParams], generators) -> torch.Tensor:
     """One U[0, 1) draw per row (float64): own generator for seeded rows, so other rows never shift their stream."""
     u = torch.empty(len(params), dtype=torch.float64)
     shared = []
@@ -260,7 +263,7 @@ def _uniforms(params: list[SamplingParams], generators) -> torch.Tensor:
     return u
 
 
-def _seen_csr(params: list[SamplingParams], vocab: int, token_counts):
+def _seen_csr(params: list[SamplerParams], vocab: int, token_counts):
     """Seen tokens of rows with penalties, as CSR (ptr [B+1], ids [N], counts [N]); rows without penalties: none."""
     batch = len(params)
     empty = torch.zeros(0, dtype=torch.int64)

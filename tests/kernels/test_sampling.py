@@ -8,7 +8,7 @@ import torch
 
 from tessera.backends.reference.ops import sampling as ref
 from tessera.kernels import sampling as ks
-from tessera.kernels.sampling import SamplingParams, build_batch
+from tessera.kernels.sampling import SamplerParams, build_batch
 from tests.kernels.conftest import kernel_backends
 from tests.kernels.tolerances import assert_close_to_oracle
 
@@ -113,15 +113,15 @@ def test_empty_batch(backend):
 # ---------------------------------------------------------------- sampler vs the reference, same draws
 
 CONFIGS = [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7, top_k=40),
-    SamplingParams(temperature=1.1, top_p=0.9),
-    SamplingParams(temperature=0.8, min_p=0.05),
-    SamplingParams(temperature=0.9, top_k=100, top_p=0.8, min_p=0.02),
-    SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4,
+    SamplerParams(temperature=1.0),
+    SamplerParams(temperature=0.7, top_k=40),
+    SamplerParams(temperature=1.1, top_p=0.9),
+    SamplerParams(temperature=0.8, min_p=0.05),
+    SamplerParams(temperature=0.9, top_k=100, top_p=0.8, min_p=0.02),
+    SamplerParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4,
                    frequency_penalty=0.2),
-    SamplingParams(temperature=0.05, top_k=7),  # scaled logits spread far beyond the histogram's span
-    SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3),
+    SamplerParams(temperature=0.05, top_k=7),  # scaled logits spread far beyond the histogram's span
+    SamplerParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3),
 ]
 
 
@@ -130,7 +130,7 @@ CONFIGS = [
 @pytest.mark.parametrize("vocab", [1, 7, 1000, 50257])
 def test_sample_matches_reference(backend, dtype, vocab, gen):
     x = _logits(gen, (len(CONFIGS), vocab), dtype)
-    params = [SamplingParams(**{**_fields(p), "seed": 100 + i}) for i, p in enumerate(CONFIGS)]
+    params = [SamplerParams(**{**_fields(p), "seed": 100 + i}) for i, p in enumerate(CONFIGS)]
     seen = [torch.randint(0, vocab, (20,), generator=gen).tolist() for _ in params]
     ids, lps = ks.sample(x, params, token_counts=seen, backend=backend)
     want_ids, want_lps = ref.sample_f64(x, build_batch(params, vocab, seen, None))
@@ -139,14 +139,14 @@ def test_sample_matches_reference(backend, dtype, vocab, gen):
     assert torch.allclose(lps.double(), want_lps, atol=2e-4, rtol=1e-4)
 
 
-def _fields(p: SamplingParams) -> dict:
-    return {name: getattr(p, name) for name in SamplingParams.__slots__}
+def _fields(p: SamplerParams) -> dict:
+    return {name: getattr(p, name) for name in SamplerParams.__slots__}
 
 
 @pytest.mark.parametrize("backend", kernel_backends())
 def test_greedy_is_argmax_of_penalized_logits(backend, gen):
     x = _logits(gen, (5, 1000), torch.float32)
-    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0 if b % 2 else 1.0) for b in range(5)]
+    params = [SamplerParams(temperature=0.0, repetition_penalty=2.0 if b % 2 else 1.0) for b in range(5)]
     seen = [torch.argmax(x[b]).reshape(1).tolist() for b in range(5)]  # penalize each row's top token
     ids, lps = ks.sample(x, params, token_counts=seen, backend=backend)
     penalized = ref.apply_penalties(x.double().clone(), build_batch(params, 1000, seen, None))
@@ -157,7 +157,7 @@ def test_greedy_is_argmax_of_penalized_logits(backend, gen):
 
 def test_penalty_semantics():
     x = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
+    params = [SamplerParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
     batch = build_batch(params, 4, [[0, 1, 1]], None)
     got = ref.apply_penalties(x.double().clone(), batch)
     # token 0 seen once: 2 / 2 - 0.5 - 0.25; token 1 seen twice: -2 * 2 - 0.5 - 0.5; others untouched
@@ -169,8 +169,8 @@ def test_penalty_semantics():
 @pytest.mark.parametrize("backend", kernel_backends())
 def test_seeded_rows_do_not_depend_on_the_batch(backend, gen):
     x = _logits(gen, (6, 1000), torch.float32)
-    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 6
-    params[3] = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    params = [SamplerParams(temperature=1.0, top_p=0.9)] * 6
+    params[3] = SamplerParams(temperature=1.0, top_p=0.9, seed=1234)
     alone = ks.sample(x[3:4], [params[3]], backend=backend)[0]
     for _ in range(3):
         assert ks.sample(x, params, backend=backend)[0][3] == alone[0]
@@ -184,12 +184,12 @@ def test_seeded_rows_do_not_depend_on_the_batch(backend, gen):
 # ---------------------------------------------------------------- statistics
 
 STAT_CONFIGS = [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.6),
-    SamplingParams(temperature=1.0, top_k=4),
-    SamplingParams(temperature=1.0, top_p=0.7),
-    SamplingParams(temperature=1.3, min_p=0.15),
-    SamplingParams(temperature=0.9, top_k=7, top_p=0.85, min_p=0.05, repetition_penalty=1.4, presence_penalty=0.3,
+    SamplerParams(temperature=1.0),
+    SamplerParams(temperature=0.6),
+    SamplerParams(temperature=1.0, top_k=4),
+    SamplerParams(temperature=1.0, top_p=0.7),
+    SamplerParams(temperature=1.3, min_p=0.15),
+    SamplerParams(temperature=0.9, top_k=7, top_p=0.85, min_p=0.05, repetition_penalty=1.4, presence_penalty=0.3,
                    frequency_penalty=0.1),
 ]
 
@@ -224,7 +224,7 @@ def test_sample_distribution_chi_square(backend, config, gen):
 def test_top_p_ties_keep_lowest_indices(backend, gen):
     draws = 4000
     x = torch.zeros(draws, 8)  # uniform: 1/8 each, the top-p=0.5 nucleus is exactly tokens 0..3
-    ids, lps = ks.sample(x, [SamplingParams(top_p=0.5)] * draws, generators=[gen] * draws, backend=backend)
+    ids, lps = ks.sample(x, [SamplerParams(top_p=0.5)] * draws, generators=[gen] * draws, backend=backend)
     assert set(ids.tolist()) == {0, 1, 2, 3}
     assert torch.allclose(lps, torch.full_like(lps, -torch.log(torch.tensor(4.0)).item()))
 
@@ -245,11 +245,11 @@ def test_errors():
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         ks.softmax(x, temperature=0.0)
     with pytest.raises(ValueError, match="one per row"):
-        ks.sample(x, [SamplingParams()])
+        ks.sample(x, [SamplerParams()])
     with pytest.raises(ValueError, match="outside"):
-        ks.sample(x, [SamplingParams(repetition_penalty=1.2)] * 2, token_counts=[[3], [10]])
+        ks.sample(x, [SamplerParams(repetition_penalty=1.2)] * 2, token_counts=[[3], [10]])
     with pytest.raises(ValueError, match="generators"):
-        ks.sample(x, [SamplingParams()] * 2, generators=[None])
+        ks.sample(x, [SamplerParams()] * 2, generators=[None])
     with pytest.raises(ValueError, match="unknown backend"):
         ks.argmax(x, backend="tpu")
 
@@ -257,5 +257,5 @@ def test_errors():
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5),
                                           ("min_p", 2.0), ("repetition_penalty", 0.0)])
 def test_sampling_params_validate(field, value):
-    with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
-        SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=f"SamplerParams.{field} must be"):
+        SamplerParams(**{field: value})

@@ -10,7 +10,7 @@ import torch
 
 from tessera.bench.kernel_cases import KernelCase
 from tessera.kernels import sampling as ks
-from tessera.kernels.sampling import SamplingParams
+from tessera.kernels.sampling import SamplerParams
 
 VOCABS = {"smollm2": 49152, "llama3": 128256}
 
@@ -49,7 +49,7 @@ def _sample_cases(name: str, x: torch.Tensor) -> list[KernelCase]:
     temp = torch.full((batch,), 0.8)
     cases = []
     for label, top_k, top_p in (("top_k=50 top_p=0.9", 50, 0.9), ("top_p=0.95", 0, 0.95), ("plain", 0, 1.0)):
-        params = [SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)] * batch
+        params = [SamplerParams(temperature=0.8, top_k=top_k, top_p=top_p)] * batch
         cases.append(KernelCase(
             "sampling", f"sample {label} {name}",
             lambda params=params: ks.sample(x, params, backend="cpu"),
