@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args(argv)
 
-    import tessera.models.fused_decode as fused_decode
+    import tessera.backends.cpu.ops.fused_decode as fused_decode
     from tessera.bench.machine import fingerprint
     from tessera.kernels import quantize
     from tessera.models import load_model

@@ -4,7 +4,10 @@ what is left is Python, sampling, the embedding and the attention plan.
 
 Switched-off kernels return at once (the tokens are then garbage; only time is read). Usage::
 
-    python benchmarks/decode_breakdown.py [--tokens 64] [--rounds 3]
+    python benchmarks/decode_breakdown.py [--model PATH] [--tokens 64] [--rounds 3]
+
+``--model`` takes any GGUF or Hugging Face directory (default: SmolLM2-135M-Instruct); the LM head is timed where it
+is a packed Q8_0 GEMV (the default GGUF's, and a tied Q8_0 embedding's).
 """
 
 from __future__ import annotations
@@ -18,17 +21,18 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")  # the bounded spin between a step's layers (tessera/__init__.py)
 
 import tessera.backends.cpu.ops._qdot_kernels as qdot_kernels  # noqa: E402
-import tessera.models.fused_decode as fused_decode  # noqa: E402
+import tessera.backends.cpu.ops.fused_decode as fused_decode  # noqa: E402
 from tessera.bench.machine import fingerprint  # noqa: E402
 from tessera.engine import LLM, SamplingParams  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    llm = LLM(max_num_seqs=1)
+    llm = LLM(args.model, max_num_seqs=1) if args.model else LLM(max_num_seqs=1)
     params = SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True)
 
     def step_ms() -> float:

@@ -7,7 +7,7 @@ kernel's compute rate (hot), what the memory system adds (streaming), and what a
 
 Usage::
 
-    python benchmarks/fused_layer_replay.py [--rounds 300]
+    python benchmarks/fused_layer_replay.py [--model PATH] [--rounds 300]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import numba
 import numpy as np
 
-import tessera.models.fused_decode as fused_decode
+import tessera.backends.cpu.ops.fused_decode as fused_decode
 from tessera.bench.machine import fingerprint
 from tessera.engine import LLM, SamplingParams
 
@@ -39,7 +39,7 @@ def _capture(llm: LLM) -> list[tuple]:
         fused_decode.decoder_layer_kernel = original
     layers = llm.model.config.num_layers
     if len(calls) < layers:
-        raise SystemExit("the fused decode layer did not run (see tessera.models.fused_decode.unsupported_reason)")
+        raise SystemExit("the fused decode layer did not run (see tessera.backends.cpu.ops.fused_decode.unsupported_reason)")
     return calls[-layers:]
 
 
@@ -57,8 +57,9 @@ def _per_call_ms(calls: list[tuple], rounds: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=300, help="timed calls of the hot case (streaming: a tenth)")
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args(argv)
-    llm = LLM(max_num_seqs=1)
+    llm = LLM(args.model, max_num_seqs=1) if args.model else LLM(max_num_seqs=1)
     llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # compile
     calls = _capture(llm)
     print(f"{fingerprint()['cpu_model']}, {numba.get_num_threads()} Numba threads, {len(calls)} layers")

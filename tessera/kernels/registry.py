@@ -75,6 +75,28 @@ def resolve(op: str, backend: str, device) -> Callable:
     return fn
 
 
+def resolve_optional(op: str, backend: str, device) -> Callable | None:
+    """The backend's own implementation of an optional op (a fusion such as ``fused_decode_layers``), or None.
+
+    Unlike :func:`resolve` there is no fallback to ``reference``: an optional op replaces a sequence of other ops
+    where a backend has a faster form, and the caller runs that sequence when this returns None. Under ``"auto"`` the
+    backend is the one :func:`resolve` would pick for ``device``'s tensors (``cpu`` for CPU tensors, ``triton`` for
+    CUDA ones when usable).
+    """
+    key = ("?" + op, backend, getattr(device, "type", str(device)))
+    if key in _RESOLVED:
+        return _RESOLVED[key]
+    name = backend
+    if backend == "auto":
+        device_type = getattr(device, "type", str(device))
+        name = {"cpu": "cpu", "cuda": "triton" if _triton_usable() else ""}.get(device_type, "")
+    elif backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)} or 'auto'")
+    fn = table(name).get(op) if name else None
+    _RESOLVED[key] = fn
+    return fn
+
+
 def _resolve(op: str, backend: str, device) -> Callable:
     have = implementations(op)
     if not have:

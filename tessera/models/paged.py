@@ -8,14 +8,15 @@ per distinct layer spec, planned once for the step and reused by every layer wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tessera import kernels as K
 from tessera.attention import plan
+from tessera.kernels import registry
 from tessera.kv import PagedKVCache
-from tessera.models.fused_decode import fused_layers
 from tessera.models.layers import decoder, layer_spec, rope_tables
 from tessera.models.model import Model
 
@@ -67,14 +68,23 @@ def new_cache(model: Model, num_pages: int, page_size: int) -> PagedKVCache:
 
 
 @torch.no_grad()
+def fused_decode_op(model: Model) -> Callable | None:
+    """The model's backend's optional fused decode step (``fused_decode_layers``), or None where it has none.
+
+    The op takes ``(model, cache, step, positions, ropes, plan_for)`` and returns the final-normed hidden states
+    ``[T, H]``, or None for a step it declines; :func:`forward_step` then runs the per-op path.
+    """
+    return registry.resolve_optional("fused_decode_layers", model.backend, model.weights["embed"].device)
+
+
 def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False,
                  fused: bool = True) -> torch.Tensor:
     """Run one step; return float32 logits of each sequence's last new token ``[num_seqs, vocab]``.
 
     With ``all_logits=True`` it returns the logits of every new token ``[T, vocab]`` (speculative verification,
     prompt logprobs). Sequences with ``q_len = 0`` are skipped (their row is absent from the result).
-    ``fused=False`` forces the per-op path even where the fused cpu decode kernel applies
-    (:mod:`tessera.models.fused_decode`; tests compare the two).
+    ``fused=False`` forces the per-op path even where the backend's fused decode step applies (the optional
+    ``fused_decode_layers`` op, e.g. :mod:`tessera.backends.cpu.ops.fused_decode`; tests compare the two).
     """
     step.validate()
     config, w, backend = model.config, model.weights, model.backend
@@ -98,7 +108,8 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
 
     positions = step.positions
     ropes = rope_tables(config, max(step.kv_lens))
-    h = fused_layers(model, cache, step, positions, ropes, plan_for) if fused else None
+    fused_layers = fused_decode_op(model) if fused else None
+    h = fused_layers(model, cache, step, positions, ropes, plan_for) if fused_layers is not None else None
     if h is None:
         h = decoder(config, w, step.token_ids.long(), positions, ropes, attend, backend)
     if not all_logits:

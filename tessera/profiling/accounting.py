@@ -220,7 +220,7 @@ TARGETS: tuple[tuple[str, str, str, CostFn], ...] = (
     ("tessera.engine.runner", "sample", "sample", _sample_cost),
     ("tessera.attention.plan", "AttentionPlan.run", "attention", _attention_cost),
     ("tessera.kv.cache", "PagedKVCache.write", "kv_cache_write", _kv_write_cost),
-    ("tessera.models.fused_decode", "decoder_layer_kernel", "fused_decoder_layer", _fused_layer_cost),
+    ("tessera.backends.cpu.ops.fused_decode", "decoder_layer_kernel", "fused_decoder_layer", _fused_layer_cost),
 )
 
 
@@ -270,10 +270,10 @@ def force_unfused() -> contextlib.AbstractContextManager[None]:
     """Make ``forward_step`` take the per-op path on every step (its fused decode attempt returns None)."""
     from tessera.models import paged
 
-    return _patched(paged, "fused_layers", _no_fused_layers)
+    return _patched(paged, "fused_decode_op", _no_fused_decode_op)
 
 
-def _no_fused_layers(*args: Any, **kwargs: Any) -> None:
+def _no_fused_decode_op(model: Any) -> None:
     return None
 
 

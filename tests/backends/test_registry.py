@@ -73,3 +73,17 @@ def test_named_backend_and_reasons() -> None:
         select(request, "triton")
     for reason in reasons:
         assert reason in str(info.value)
+
+
+def test_optional_ops_resolve_to_the_backend_or_none() -> None:
+    """A fusion is offered by the backend that has it; others (and ``reference``) answer None, never a fallback."""
+    from tessera.backends.cpu.ops.fused_decode import fused_layers
+    from tessera.kernels import registry
+
+    cpu = torch.device("cpu")
+    assert registry.resolve_optional("fused_decode_layers", "auto", cpu) is fused_layers
+    assert registry.resolve_optional("fused_decode_layers", "cpu", cpu) is fused_layers
+    assert registry.resolve_optional("fused_decode_layers", "reference", cpu) is None
+    assert registry.resolve_optional("no_such_fusion", "cpu", cpu) is None
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        registry.resolve_optional("fused_decode_layers", "tpu", cpu)

@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-import tessera.models.fused_decode as fused_decode
-import tessera.models.paged as paged
+import tessera.backends.cpu.ops.fused_decode as fused_decode
 from tessera.backends.cpu import decode as cpu_decode
 from tessera.backends.cpu import variants
+from tessera.backends.cpu.ops.fused_decode import unsupported_reason
+import tessera.models.paged as paged
 from tessera.models import load_model
-from tessera.models.fused_decode import unsupported_reason
 from tessera.models.paged import StepBatch, forward_step, new_cache
 from tests.models.helpers import save_tiny, step_batch
 
@@ -53,14 +53,20 @@ def _step(seqs: dict[int, list[int]], new: dict[int, int], tables: dict[int, lis
 def fused_calls(monkeypatch):
     """Counts the steps the fused path took (it returns None when it declines)."""
     taken = []
-    original = paged.fused_layers
+    original_op = paged.fused_decode_op
 
-    def spy(*args, **kwargs):
-        h = original(*args, **kwargs)
-        taken.append(h is not None)
-        return h
+    def op(model):
+        fused = original_op(model)
+        if fused is None:
+            return None
 
-    monkeypatch.setattr(paged, "fused_layers", spy)
+        def spy(*args, **kwargs):
+            h = fused(*args, **kwargs)
+            taken.append(h is not None)
+            return h
+        return spy
+
+    monkeypatch.setattr(paged, "fused_decode_op", op)
     return taken
 
 

@@ -74,13 +74,13 @@ def test_patches_are_restored_even_on_errors() -> None:
     before = _originals()
     from tessera.models import paged
 
-    fused = paged.fused_layers
+    fused = paged.fused_decode_op
     with pytest.raises(RuntimeError, match="boom"), account_ops(unfused=True):
         assert K.matmul is not before[0]
-        assert paged.fused_layers is not fused
+        assert paged.fused_decode_op is not fused
         raise RuntimeError("boom")
     assert all(a is b for a, b in zip(_originals(), before))
-    assert paged.fused_layers is fused
+    assert paged.fused_decode_op is fused
     # the package's attribute is the function layers.py will look up again
     assert importlib.import_module("tessera.kernels").matmul is before[0]
 

@@ -21,7 +21,7 @@ late (or never: a pool of one runs the iterations in turn) only finds less work;
 not claimed anything, so the kernel cannot deadlock whatever the thread count. A row's result does not depend on which
 worker computed it, so the output is the same for every ``n_workers``.
 
-:mod:`tessera.models.fused_decode` calls it for decode steps (one query per sequence) and chooses ``n_workers``
+:mod:`tessera.backends.cpu.ops.fused_decode` calls it for decode steps (one query per sequence) and chooses ``n_workers``
 from the step's work. The attention runs inside the region too: a batch of sequences, or one long context split
 into parts, spreads over the same workers without a second pool wake-up per layer.
 """

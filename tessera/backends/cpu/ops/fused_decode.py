@@ -1,6 +1,8 @@
 """Fused cpu decode: a small decode step runs each decoder layer as one Numba call.
 
-:func:`fused_layers` is what :func:`tessera.models.paged.forward_step` tries first. It takes the step when the
+:func:`fused_layers` is the cpu backend's ``fused_decode_layers`` op, which :func:`tessera.models.paged.forward_step`
+tries first wherever the model's backend offers one (``tessera.kernels.registry.resolve_optional``). It takes the step
+when the
 model and the step fit :func:`tessera.backends.cpu.decode_layer.decoder_layer_kernel` (why each condition exists is
 noted where it is checked) and returns None otherwise, so the per-op path runs. Both paths call the same Numba
 helpers in the same order, so their logits agree to float32 rounding (``tests/models/test_fused_decode.py``; LLVM may
@@ -18,6 +20,7 @@ import torch
 
 from tessera import kernels as K
 from tessera.backends.cpu import variants
+from tessera.backends.cpu.backend import CpuPlan
 from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
@@ -147,7 +150,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     """
     config = model.config
     t_count = int(step.token_ids.numel())
-    if model.backend not in ("auto", "cpu") or t_count == 0 or t_count > SMALL_M or max(step.q_lens) != 1:
+    if t_count == 0 or t_count > SMALL_M or max(step.q_lens) != 1:
         return None  # one query per sequence: the layer's attention rows are the token rows
     if min(step.q_lens) != 1 or not ropes:
         return None
@@ -160,9 +163,9 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     for i in range(config.num_layers):
         key = config.layer_windows[i]
         if key not in states:
-            backend, state = plan_for(i).backend_state(model.dtype, torch.device("cpu"))
-            decode = getattr(state, "decode", None)
-            if (backend.name != "cpu" or decode is None or state.cascades or state.prefill_seqs
+            _, state = plan_for(i).backend_state(model.dtype, torch.device("cpu"))
+            decode = state.decode if isinstance(state, CpuPlan) else None  # another attention backend: no fusion
+            if (decode is None or state.cascades or state.prefill_seqs
                     or plan_for(i).spec.sinks is not None or not np.array_equal(decode.q_start, in_order)):
                 return None  # shared prefixes use the cascade; sinks need the lse pass of the per-op path
             states[key] = decode.layer_arrays
@@ -188,3 +191,6 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
         decoder_layer_kernel(xs, hs, *views[i], *common, *tables[config.layer_rope[i]], *kv_rows[i], slots,
                              *states[config.layer_windows[i]], isa, n_workers)
     return h
+
+
+OPS = {"fused_decode_layers": fused_layers}
