@@ -1,6 +1,6 @@
 """Every ``qgemv`` kernel variant this CPU runs, on one thread and on all, against torch's fp32 GEMV.
 
-Why one thread too: the decode layer runs its projections on the calling thread (``models/fused_decode.py``), so
+Why one thread too: the decode layer runs its projections on the calling thread (``backends/cpu/ops/fused_decode.py``), so
 the single-thread rate of a variant is what a batch-1 token pays; the all-thread figure is the per-op path's.
 Shapes: SmolLM2-135M's projections (cache-resident) and a 4096 x 4096 matrix whose copies rotate over at least twice
 the last-level cache (streamed from DRAM), each at M = 1 and, with ``--rows``, more rows of x. Interleaved rounds

@@ -28,6 +28,8 @@ from tessera.kernels import registry
 
 FORMATS = ("int8", "int4", "int4_min", "fp8_e4m3")
 GROUP_SIZES = (32, 64, 128)
+#: dtypes a QuantizedWeight's scales (and mins) may have
+SCALE_DTYPES = (torch.float32, torch.float16)
 # GGUF block formats we read: ggml type id -> (name, bytes per block of 32 weights)
 _GGUF = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 
@@ -48,11 +50,12 @@ class QuantizedWeight:
         int8 ``[N, K]`` (int8), uint8 ``[N, K // 2]`` (int4, int4_min; byte ``j`` of a group holds element ``j`` in
         its low nibble and element ``j + G/2`` in its high nibble), float8_e4m3fn ``[N, K]`` (fp8_e4m3).
     scales : torch.Tensor
-        float32 ``[N, ng]``.
+        ``[N, ng]``, float32 (what :func:`quantize` makes) or float16 (what a GGUF file stores: :func:`from_gguf`
+        keeps its blocks' scales as they are, so a packed weight takes the file's bytes, not more).
     zeros : torch.Tensor or None
         uint8 ``[N, ng]`` zero points in 0..15 (int4 only).
     mins : torch.Tensor or None
-        float32 ``[N, ng]`` offsets (int4_min only).
+        ``[N, ng]`` offsets in the scales' dtype (int4_min only).
     """
 
     fmt: str
@@ -75,7 +78,8 @@ class QuantizedWeight:
         packed = {"int8": (torch.int8, (n, k)), "int4": (torch.uint8, (n, k // 2)),
                   "int4_min": (torch.uint8, (n, k // 2)), "fp8_e4m3": (torch.float8_e4m3fn, (n, k))}[self.fmt]
         _check_part(self.fmt, "data", self.data, *packed)
-        _check_part(self.fmt, "scales", self.scales, torch.float32, (n, k // g))
+        _check_part(self.fmt, "scales", self.scales, torch.float32 if self.fmt == "fp8_e4m3" else SCALE_DTYPES,
+                    (n, k // g))
         if (self.zeros is not None) != (self.fmt == "int4"):
             raise ValueError(f"{self.fmt}: zeros must be given exactly for int4")
         if (self.mins is not None) != (self.fmt == "int4_min"):
@@ -83,7 +87,7 @@ class QuantizedWeight:
         if self.zeros is not None:
             _check_part(self.fmt, "zeros", self.zeros, torch.uint8, (n, k // g))
         if self.mins is not None:
-            _check_part(self.fmt, "mins", self.mins, torch.float32, (n, k // g))
+            _check_part(self.fmt, "mins", self.mins, self.scales.dtype, (n, k // g))
 
     @property
     def device(self) -> torch.device:
@@ -96,10 +100,13 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
-def _check_part(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+def _check_part(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...],
+                shape: tuple[int, ...]) -> None:
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous():
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{fmt}: {name} must be a contiguous {dtype} tensor of shape {shape}, got {got}")
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{fmt}: {name} must be a contiguous {want} tensor of shape {shape}, got {got}")
 
 
 def _check_float(name: str, t: torch.Tensor, ndim: int = 2) -> None:
@@ -238,13 +245,15 @@ def from_gguf(raw: bytes | np.ndarray | torch.Tensor, ggml_type: int | str, shap
         raise ValueError(f"{name} {shape}: expected {n * (k // 32) * block_bytes} bytes "
                          f"({n * k // 32} blocks of {block_bytes}), got {buf.size}")
     blocks = buf.reshape(n, k // 32, block_bytes)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float().contiguous()
+    # Scales and mins stay float16, as stored: widening them to float32 would add 2-4 bytes to every 18-34-byte
+    # block that a memory-bound GEMV streams (Q4_0 21 -> 19 bytes a block with the zero points, Q4_1 24 -> 20).
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).contiguous()
     if name == "Q8_0":
         data = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
         return QuantizedWeight("int8", (n, k), 32, data, d)
     if name == "Q4_0":
         data = torch.from_numpy(blocks[..., 2:].reshape(n, k // 2).copy())
         return QuantizedWeight("int4", (n, k), 32, data, d, zeros=torch.full((n, k // 32), 8, dtype=torch.uint8))
-    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).float().contiguous()
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).contiguous()
     data = torch.from_numpy(blocks[..., 4:].reshape(n, k // 2).copy())
     return QuantizedWeight("int4_min", (n, k), 32, data, d, mins=m)

@@ -3,6 +3,8 @@ run against the float64 oracle of what it computes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 
@@ -235,6 +237,38 @@ def test_qgemv_every_block_count(variant: str, fmt: str, gen: torch.Generator) -
                 kernel(*head, *_qdot.weight_arrays(qw), got)
                 assert_close_to_oracle(torch.from_numpy(got), want, torch.float32,
                                        f"{variant} {fmt} K={k} M={m} {kernel.__name__}", reduction=True)
+
+
+@pytest.mark.parametrize("variant", QGEMV)
+@pytest.mark.parametrize("fmt,group_size", [("int4", 32), ("int4_min", 32), ("int8", 32), ("int4", 64),
+                                            ("int4_min", 128), ("int8", 128), ("int8", None)])
+def test_qgemv_float16_scales(variant: str, fmt: str, group_size: int | None, monkeypatch,
+                              gen: torch.Generator) -> None:
+    """GGUF keeps its blocks' scales (and Q4_1 mins) in float16; every kernel widens them where it reads them. The
+    same weight with those values as float32 scales must give the same product (odd block counts: the 512-bit rows'
+    256-bit tail reads one scale alone), one x row and five, and M=20 (the tiled path's bf16 de-quantization)."""
+    _runnable(variant)
+    _force(monkeypatch, f"qgemv={variant}")
+    k = 5 * (group_size or 32) + (64 if group_size is None else 0)
+    qw = Q.quantize(torch.randn(23, k, generator=gen), fmt, group_size)
+    half = dataclasses.replace(qw, scales=qw.scales.half(),
+                               mins=None if qw.mins is None else qw.mins.half())
+    wide = dataclasses.replace(half, scales=half.scales.float(), mins=None if half.mins is None else half.mins.float())
+    assert half.nbytes < wide.nbytes
+    assert torch.equal(Q.dequantize(half, backend="cpu"), Q.dequantize(wide, backend="cpu"))
+    for m in (1, 5, 20):
+        x = torch.randn(m, k, generator=gen)
+        # M <= 8 runs the variant's GEMV (int8-activation variants see their quantized x); M = 20 the bf16 tiles
+        x_seen = _qdot.quantized_activation(x) if variant != "portable" and m <= 8 else x
+        oracle = qmatmul_f64(x_seen, wide)
+        for qw_ in (half, wide):  # equal to float32 rounding (the two compile separately; fastmath may reorder)
+            got = Q.qmatmul(x, qw_, backend="cpu")
+            if m > 8:
+                assert_close_to_oracle(got, oracle, torch.bfloat16, f"{variant} {fmt}/{group_size} M={m}",
+                                       reduction=True)
+            else:
+                assert_close_to_oracle(got, oracle, torch.float32, f"{variant} {fmt}/{group_size} M={m}",
+                                       reduction=True)
 
 
 def test_unsupported_weights_fall_back_to_float(monkeypatch, gen: torch.Generator) -> None:

@@ -204,6 +204,18 @@ def test_nbytes_counts_packed_parts(gen: torch.Generator) -> None:
     assert qw.nbytes == 8 * 128 + 8 * 2 * 4 + 8 * 2
 
 
+@pytest.mark.parametrize("name,block_bytes", [("Q4_0", 16 + 2 + 1), ("Q4_1", 16 + 2 + 2), ("Q8_0", 32 + 2)])
+def test_from_gguf_keeps_float16_scales(name: str, block_bytes: int, gen: torch.Generator) -> None:
+    """A packed GGUF weight holds the file's float16 scales and mins, not float32 copies: Q4_1 and Q8_0 take exactly
+    the file's bytes per block, Q4_0 one more (its zero point)."""
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[name]
+    raw = gguf.quants.quantize(_weight(gen, 4, 96).numpy(), qtype)
+    qw = Q.from_gguf(raw, qtype, (4, 96))
+    assert qw.scales.dtype == torch.float16 and (qw.mins is None or qw.mins.dtype == torch.float16)
+    assert qw.nbytes == 4 * 3 * block_bytes
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda w: Q.quantize(w[:, :80], "int4", 32), ValueError, "multiple of group_size"),
     (lambda w: Q.quantize(w, "int3"), ValueError, "unknown quantized format"),
@@ -220,6 +232,15 @@ def test_nbytes_counts_packed_parts(gen: torch.Generator) -> None:
     (lambda w: Q.from_gguf(np.zeros(10, np.uint8), "Q6_K", (1, 256)), ValueError, "not supported"),
     (lambda w: Q.QuantizedWeight("int4", (2, 64), 32, torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 2)),
      ValueError, "zeros must be given"),
+    (lambda w: Q.QuantizedWeight("int8", (2, 64), 32, torch.zeros(2, 64, dtype=torch.int8),
+                                 torch.ones(2, 2, dtype=torch.bfloat16)),
+     ValueError, "scales must be a contiguous torch.float32 or torch.float16 tensor"),
+    (lambda w: Q.QuantizedWeight("int4_min", (2, 64), 32, torch.zeros(2, 32, dtype=torch.uint8),
+                                 torch.ones(2, 2, dtype=torch.float16), mins=torch.zeros(2, 2)),
+     ValueError, "mins must be a contiguous torch.float16 tensor"),
+    (lambda w: Q.QuantizedWeight("fp8_e4m3", (2, 64), 64, torch.zeros(2, 64, dtype=torch.float8_e4m3fn),
+                                 torch.ones(2, 1, dtype=torch.float16)),
+     ValueError, "scales must be a contiguous torch.float32 tensor"),
 ])
 def test_errors(call, exc: type, match: str, gen: torch.Generator) -> None:
     with pytest.raises(exc, match=match):

@@ -48,6 +48,21 @@ def _widen_overload(x):
     return None
 
 
+def group_value(x):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(group_value, inline="always")
+def _group_value_overload(x):
+    """A quantized weight's per-group value as float32: a uint8 zero point is a number; a scale or min is float32,
+    or float16 bits (int16, GGUF's block scales) widened."""
+    if x == types.uint8:
+        return lambda x: np.float32(x)
+    if x == types.int16 or isinstance(x, types.Float):
+        return lambda x: widen(x)
+    return None
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def fast_exp(x):  # pragma: no cover - compiled
     """exp for float32 that LLVM can vectorize (Numba here has no SVML, and libm's expf stays scalar).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from tessera.backends.cpu.numba_math import FASTMATH
+from tessera.backends.cpu.numba_math import FASTMATH, group_value
 from tessera.backends.cpu.ops._narrow import _f32_to_bits
 
 
@@ -37,8 +37,9 @@ def dequant_int4_bf16(packed, scales, offsets, has_min, group, lo, out):  # prag
     for r in prange(n):
         row = lo + r
         for g in range(k // group):
-            s = scales[row, g]
-            off = offsets[row, g] if has_min else -np.float32(offsets[row, g]) * s
+            s = group_value(scales[row, g])
+            off = group_value(offsets[row, g])
+            off = off if has_min else -off * s
             src = packed[row, g * half:(g + 1) * half]
             low = out[r, g * group:g * group + half]
             high = out[r, g * group + half:(g + 1) * group]
@@ -56,7 +57,7 @@ def dequant_int8_bf16(q, scales, group, lo, out):  # pragma: no cover - compiled
     for r in prange(n):
         row = lo + r
         for g in range(k // group):
-            s = scales[row, g]
+            s = group_value(scales[row, g])
             src = q[row, g * group:(g + 1) * group]
             dst = out[r, g * group:(g + 1) * group]
             for j in range(group):

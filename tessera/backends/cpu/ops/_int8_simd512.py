@@ -24,6 +24,7 @@ from numba.extending import intrinsic
 
 from tessera.backends.cpu.ops._int8_simd import (
     _byte_pointer, _fn, _load, _load_typer, _mask, _splat, _token_isa, _VecType, code_signedness, emit_lane_sum,
+    is_scale_array,
 )
 
 _I8 = ir.IntType(8)
@@ -118,18 +119,23 @@ def dot_codes_x2(typingctx, token, arr, w, s):
 @intrinsic
 def scales_x2(typingctx, a, i, b, j):
     """``f32x16``: lanes 0-7 ``a[i] * b[j]``, lanes 8-15 ``a[i + 1] * b[j + 1]`` (a block pair's weight scales times
-    its activation scales; flat offsets into C-contiguous float32 arrays)."""
-    for arr, what in ((a, "first"), (b, "second")):
-        if not isinstance(arr, types.Array) or arr.dtype != types.float32 or arr.layout != "C":
-            raise TypingError(f"scales_x2: the {what} array must be C-contiguous float32, got {arr}")
+    its activation scales; flat offsets into C-contiguous arrays of float32 or, for ``a``, float16 bits as int16)."""
+    if not is_scale_array(a):
+        raise TypingError(f"scales_x2: the first array must be C-contiguous float32 or float16 bits (int16), got {a}")
+    if not isinstance(b, types.Array) or b.dtype != types.float32 or b.layout != "C":
+        raise TypingError(f"scales_x2: the second array must be C-contiguous float32, got {b}")
     if not isinstance(i, types.Integer) or not isinstance(j, types.Integer):
         raise TypingError(f"scales_x2: the offsets must be integers, got {i}, {j}")
 
     def codegen(context, builder, signature, args):
         pa = _byte_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
         pb = _byte_pointer(context, builder, signature.args[2], args[2], args[3], signature.args[3])
-        pair = builder.fmul(builder.load(builder.bitcast(pa, _VF2.as_pointer()), align=4),
-                            builder.load(builder.bitcast(pb, _VF2.as_pointer()), align=4))
+        if signature.args[0].dtype == types.float32:
+            wa = builder.load(builder.bitcast(pa, _VF2.as_pointer()), align=4)
+        else:  # two float16 scales, widened (VCVTPH2PS)
+            wa = builder.fpext(builder.load(builder.bitcast(pa, ir.VectorType(ir.HalfType(), 2).as_pointer()),
+                                            align=2), _VF2)
+        pair = builder.fmul(wa, builder.load(builder.bitcast(pb, _VF2.as_pointer()), align=4))
         return builder.shuffle_vector(pair, pair, _mask([0] * 8 + [1] * 8))
 
     return f32x16(a, i, b, j), codegen

@@ -12,6 +12,7 @@ import torch
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _qdot_kernels as kernels
 from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
+from tessera.backends.cpu.ops._narrow import group_view
 from tessera.kernels.quant import QuantizedWeight
 
 #: ``qgemv`` variant -> the ISA token its kernels compile for (None: the float-activation kernels)
@@ -92,9 +93,9 @@ def unsupported(qw: QuantizedWeight) -> str | None:
 def weight_arrays(qw: QuantizedWeight) -> tuple:
     """The kernels' weight arguments after the activation ones, as NumPy views."""
     if qw.fmt == "int8":
-        return (qw.data.numpy(), qw.scales.numpy(), qw.group_size)
+        return (qw.data.numpy(), group_view(qw.scales), qw.group_size)
     offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
-    return (qw.data.numpy(), qw.scales.numpy(), offsets.numpy(), qw.fmt == "int4_min", qw.group_size)
+    return (qw.data.numpy(), group_view(qw.scales), group_view(offsets), qw.fmt == "int4_min", qw.group_size)
 
 
 def qmatmul(x: torch.Tensor, qw: QuantizedWeight, isa: IsaToken, serial: bool) -> torch.Tensor:

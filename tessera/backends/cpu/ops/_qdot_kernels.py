@@ -30,11 +30,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from tessera.backends.cpu.numba_math import FASTMATH, widen
+from tessera.backends.cpu.numba_math import FASTMATH, group_value, widen
 from tessera.backends.cpu.ops import _qdot_wide as wide
 from tessera.backends.cpu.ops._int8_simd import (
     add_f32x8, block_codes, dot_codes, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32,
-    low_nibbles32, nibbles16, sum_f32x8, zero_f32x8,
+    low_nibbles32, nibbles16, prefetch, sum_f32x8, zero_f32x8,
 )
 from tessera.backends.cpu.ops._int8_simd512 import is_wide
 
@@ -117,7 +117,7 @@ def _offset(offsets, scales, keep, n, g):  # pragma: no cover - compiled
     """Group ``g``'s additive term per unit of x: the min, or ``-z * s``, without a branch. Why: an ``if`` that reads
     arrays inside these per-row functions made Numba keep its reference-count calls (NRT_incref / NRT_decref, with a
     VZEROUPPER each) in every row; on 576-wide rows they cost as much as the 512-bit dot itself."""
-    return np.float32(offsets[n, g]) * (keep - (np.float32(1.0) - keep) * scales[n, g])
+    return group_value(offsets[n, g]) * (keep - (np.float32(1.0) - keep) * group_value(scales[n, g]))
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -137,6 +137,7 @@ def _g32_row_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compile
     acc1 = zero_f32x8()
     b = 0
     while b + 1 < nb:
+        prefetch(w, r + b * per + wide.PREFETCH_BYTES)  # see _qdot_wide.PREFETCH_BYTES
         acc0 = fma_i32(dot_codes(isa, w, block_codes(w, r + b * per), load_i8x32(xq, xo + b * BLOCK)),
                        load_f32(scales, s + b) * load_f32(xd, do + b), acc0)
         acc1 = fma_i32(dot_codes(isa, w, block_codes(w, r + (b + 1) * per), load_i8x32(xq, xo + (b + 1) * BLOCK)),
@@ -282,8 +283,8 @@ def _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out)
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, n_lo, n_hi):  # pragma: no cover
     """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int4 / int4_min weights (see the module docstring):
-    ``xq, xd, xs`` from :func:`quantize_rows`, ``packed`` uint8 ``[N, K // 2]``, ``scales`` float32 ``[N, ng]``,
-    ``offsets`` uint8 zero points or float32 mins ``[N, ng]``."""
+    ``xq, xd, xs`` from :func:`quantize_rows`, ``packed`` uint8 ``[N, K // 2]``, ``scales`` ``[N, ng]`` float32 or
+    float16 bits (int16), ``offsets`` uint8 zero points or mins in the scales' type ``[N, ng]``."""
     # One weight row at a time, not four sharing each activation load: four rows are twelve address streams (codes,
     # scales, offsets of each), which the hardware prefetchers serve far below the memory's rate. Measured on Zen 3
     # (2026-12-02, M=1, 4096 x 4096 g32, one thread): 1.44 ms one row at a time against 2.70 ms four at a time
@@ -388,8 +389,8 @@ def _int8_row_x4(isa, xq, xd, m, q, scales, n, out):  # pragma: no cover - compi
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def int8_rows(isa, xq, xd, q, scales, group, out, n_lo, n_hi):  # pragma: no cover - compiled
-    """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int8 weights ``q [N, K]`` with float32 scales
-    ``[N, ng]`` (group 32, 64, 128 or per channel, K a multiple of 32)."""
+    """Output rows ``n_lo .. n_hi - 1`` of ``out [M, N]`` for int8 weights ``q [N, K]`` with scales ``[N, ng]``
+    (float32 or float16 bits as int16; group 32, 64, 128 or per channel, K a multiple of 32)."""
     m_rows = xq.shape[0]
     # The format is chosen here, once, not inside the per-row function (see _offset for why that matters).
     if group == BLOCK and scales.shape[1] > 1:  # group 32 (GGUF Q8_0): four x rows at a time, as in int4

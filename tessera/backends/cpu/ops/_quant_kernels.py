@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.core.extending import overload
 
-from tessera.backends.cpu.numba_math import FASTMATH, _half_bits_to_f32
+from tessera.backends.cpu.numba_math import FASTMATH, _half_bits_to_f32, group_value
 
 CHUNK = 32  # bytes per vectorized inner loop (literal trip count)
 ROWS = 16  # output rows per parallel work item: 256 items at N=4096, plenty for 2..64 threads
@@ -83,7 +83,7 @@ def _dot4s(a, x, s0, s1, s2, s3):  # pragma: no cover - compiled
 def _decode_8bit(row, srow, group, buf):  # pragma: no cover - compiled
     gshift = _log2(group)
     for c in range(row.shape[0] // CHUNK):
-        s = srow[(c * CHUNK) >> gshift]
+        s = group_value(srow[(c * CHUNK) >> gshift])
         for j in range(CHUNK):
             buf[c * CHUNK + j] = s * _code(row[c * CHUNK + j])
 
@@ -106,28 +106,31 @@ def gemv_8bit(x, q, scales, group, out):  # pragma: no cover - compiled
             if m_rows > 1:  # widen the row once into L1, then one plain dot per x row
                 if group == k:
                     for j in range(k):
-                        buf[j] = scales[n, 0] * _code(row[j])
+                        buf[j] = group_value(scales[n, 0]) * _code(row[j])
                 else:
                     _decode_8bit(row, scales[n], group, buf)
                 for m in range(m_rows):
                     out[m, n] = _dot(buf, x[m])
             elif group == k:
-                out[0, n] = scales[n, 0] * _dot(row, x0)
+                out[0, n] = group_value(scales[n, 0]) * _dot(row, x0)
             else:
                 # slices per chunk, not ``row[start + j]``: Numba's negative-index checks on computed indices stop
                 # LLVM from vectorizing (measured 8x slower)
                 y = np.float32(0.0)
                 lo = 0
                 while lo + 128 <= k:
-                    y += _dot4s(row[lo:lo + 128], x0[lo:lo + 128], scales[n, lo >> gshift],
-                                scales[n, (lo + 32) >> gshift], scales[n, (lo + 64) >> gshift],
-                                scales[n, (lo + 96) >> gshift])
+                    y += _dot4s(row[lo:lo + 128], x0[lo:lo + 128], group_value(scales[n, lo >> gshift]),
+                                group_value(scales[n, (lo + 32) >> gshift]),
+                                group_value(scales[n, (lo + 64) >> gshift]),
+                                group_value(scales[n, (lo + 96) >> gshift]))
                     lo += 128
                 if lo + 64 <= k:
-                    y += _dot2(row[lo:lo + 64], x0[lo:lo + 64], scales[n, lo >> gshift], scales[n, (lo + 32) >> gshift],
+                    y += _dot2(row[lo:lo + 64], x0[lo:lo + 64], group_value(scales[n, lo >> gshift]),
+                               group_value(scales[n, (lo + 32) >> gshift]),
                                64)
                 if k % 64:  # group 32 and an odd number of groups: one left
-                    y += _dot2(row[k - 32:], x0[k - 32:], scales[n, -1], scales[n, -1], 32)
+                    last = group_value(scales[n, -1])
+                    y += _dot2(row[k - 32:], x0[k - 32:], last, last, 32)
                 out[0, n] = y
 
 
@@ -168,8 +171,9 @@ def _nib_decode(b, sa, sb, oa, ob, wlo, whi):  # pragma: no cover - compiled
 
 @njit(inline="always", fastmath=FASTMATH)
 def _offset(s, off, has_min):  # pragma: no cover - compiled
-    """The group's additive term per unit of x: ``m`` (int4_min) or ``-z * s`` (int4)."""
-    return off if has_min else -np.float32(off) * s
+    """The group's additive term per unit of x: ``m`` (int4_min) or ``-z * s`` (int4); both already float32
+    (``group_value``)."""
+    return off if has_min else -off * s
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -184,24 +188,27 @@ def _int4_rows(xlo, xhi, xsum, packed, scales, offsets, has_min, group, out, n_l
             for lo in range(0, half_k, CHUNK):
                 hi = min(lo + CHUNK, half_k)
                 ga, gb = lo >> hshift, min(lo + 16, half_k - 1) >> hshift
-                _nib_decode(row[lo:hi], srow[ga], srow[gb], _offset(srow[ga], orow[ga], has_min),
-                            _offset(srow[gb], orow[gb], has_min), wlo[lo:hi], whi[lo:hi])
+                sa, sb = group_value(srow[ga]), group_value(srow[gb])
+                _nib_decode(row[lo:hi], sa, sb, _offset(sa, group_value(orow[ga]), has_min),
+                            _offset(sb, group_value(orow[gb]), has_min), wlo[lo:hi], whi[lo:hi])
             for m in range(m_rows):
                 out[m, n] = _dot(wlo, xlo[m]) + _dot(whi, xhi[m])
             continue
         y = np.float32(0.0)
         for g in range(ngroups):
-            y += _offset(srow[g], orow[g], has_min) * xsum[0, g]
+            y += _offset(group_value(srow[g]), group_value(orow[g]), has_min) * xsum[0, g]
         lo = 0
         while lo + 64 <= half_k:
-            y += _nib_chunk4(row[lo:lo + 64], xlo0[lo:lo + 64], xhi0[lo:lo + 64], srow[lo >> hshift],
-                             srow[(lo + 16) >> hshift], srow[(lo + 32) >> hshift], srow[(lo + 48) >> hshift])
+            y += _nib_chunk4(row[lo:lo + 64], xlo0[lo:lo + 64], xhi0[lo:lo + 64], group_value(srow[lo >> hshift]),
+                             group_value(srow[(lo + 16) >> hshift]), group_value(srow[(lo + 32) >> hshift]),
+                             group_value(srow[(lo + 48) >> hshift]))
             lo += 64
         if lo + CHUNK <= half_k:
-            y += _nib_chunk(row[lo:lo + CHUNK], xlo0[lo:lo + CHUNK], xhi0[lo:lo + CHUNK], srow[lo >> hshift],
-                            srow[(lo + 16) >> hshift], CHUNK)
+            y += _nib_chunk(row[lo:lo + CHUNK], xlo0[lo:lo + CHUNK], xhi0[lo:lo + CHUNK],
+                            group_value(srow[lo >> hshift]), group_value(srow[(lo + 16) >> hshift]), CHUNK)
         if half_k % CHUNK:  # group 32 and an odd number of groups: one left
-            y += _nib_chunk(row[half_k - 16:], xlo0[half_k - 16:], xhi0[half_k - 16:], srow[-1], srow[-1], 16)
+            last = group_value(srow[-1])
+            y += _nib_chunk(row[half_k - 16:], xlo0[half_k - 16:], xhi0[half_k - 16:], last, last, 16)
         out[0, n] = y
 
 

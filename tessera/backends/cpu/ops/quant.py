@@ -20,6 +20,7 @@ from tessera.backends.cpu.ops import _dequant_bf16 as dequant_bf16
 from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops import _quant_kernels as kernels
+from tessera.backends.cpu.ops._narrow import group_view
 from tessera.backends.reference.ops.quant import dequantize_in, quantize_in
 from tessera.kernels.quant import QuantizedWeight
 from tessera.tuning import tuned
@@ -127,10 +128,10 @@ def _bf16_tile(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
     out = bits.numpy().view(np.uint16)
     if qw.fmt in ("int4", "int4_min"):
         offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
-        dequant_bf16.dequant_int4_bf16(qw.data.numpy(), qw.scales.numpy(), offsets.numpy(), qw.fmt == "int4_min",
-                                       qw.group_size, lo, out)
+        dequant_bf16.dequant_int4_bf16(qw.data.numpy(), group_view(qw.scales), group_view(offsets),
+                                       qw.fmt == "int4_min", qw.group_size, lo, out)
     elif qw.fmt == "int8":
-        dequant_bf16.dequant_int8_bf16(qw.data.numpy(), qw.scales.numpy(), qw.group_size, lo, out)
+        dequant_bf16.dequant_int8_bf16(qw.data.numpy(), group_view(qw.scales), qw.group_size, lo, out)
     else:  # fp8: torch converts e4m3 exactly; one rounding to bf16 after the scale
         return (qw.data[lo:hi].float() * qw.scales[lo:hi]).to(torch.bfloat16).T
     return bits.view(torch.bfloat16).T
@@ -148,14 +149,14 @@ def _gemv(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if qw.fmt in ("int8", "fp8_e4m3"):
         q = qw.data.numpy() if qw.fmt == "int8" else qw.data.view(torch.uint8).numpy()
         # e4m3 codes are widened as value * 2^-8 (see _quant_kernels); the 2^8 goes into the scale
-        scales = qw.scales if qw.fmt == "int8" else qw.scales * 256.0
-        kernels.gemv_8bit(xn, q, scales.numpy(), g, on)
+        scales = group_view(qw.scales) if qw.fmt == "int8" else (qw.scales * 256.0).numpy()  # fp8: float32 scales
+        kernels.gemv_8bit(xn, q, scales, g, on)
         return out
     halves = x.reshape(m, k // g, 2, g // 2)
     xlo, xhi = halves[:, :, 0].reshape(m, k // 2).numpy(), halves[:, :, 1].reshape(m, k // 2).numpy()
     xsum = x.reshape(m, k // g, g).sum(-1)
     offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
-    kernels.gemv_int4(xlo, xhi, xsum.numpy(), qw.data.numpy(), qw.scales.numpy(), offsets.numpy(),
+    kernels.gemv_int4(xlo, xhi, xsum.numpy(), qw.data.numpy(), group_view(qw.scales), group_view(offsets),
                       qw.fmt == "int4_min", g, on)
     return out
 

@@ -35,7 +35,7 @@ def _weight_tile(w_ptr, s_ptr, o_ptr, rn, kk, mask, K, NG, FMT: tl.constexpr, GR
         return tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=mask, other=0.0).to(tl.float32)
     g = kk // GROUP
     gidx = rn[:, None] * NG + g[None, :]
-    s = tl.load(s_ptr + gidx, mask=mask, other=0.0)
+    s = tl.load(s_ptr + gidx, mask=mask, other=0.0).to(tl.float32)  # float32, or GGUF's float16
     if FMT == FMT_INT8:
         q = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=mask, other=0).to(tl.float32)
         return q * s
