@@ -7,7 +7,9 @@ from tessera.backends.base import (
     RaggedBatch,
     register,
     registered,
+    resolve_device,
     select,
 )
 
-__all__ = ["AttentionRequest", "Backend", "BackendUnavailableError", "RaggedBatch", "register", "registered", "select"]
+__all__ = ["AttentionRequest", "Backend", "BackendUnavailableError", "RaggedBatch", "register", "registered", "resolve_device",
+           "select"]

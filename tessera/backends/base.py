@@ -85,6 +85,11 @@ class Backend(Protocol):
         """Reasons this backend cannot run at all on this machine (empty when usable)."""
         ...
 
+    def device_types(self) -> tuple[str, ...]:
+        """Optional (default ``("cpu",)``): the torch device types whose tensors this backend runs on; the first is
+        where a model loaded for it lives unless the caller names a device (:func:`resolve_device`)."""
+        ...
+
     def why_not(self, request: AttentionRequest) -> list[str]:
         """Reasons this backend cannot serve ``request`` (empty when it can)."""
         ...
@@ -117,6 +122,47 @@ def registered() -> dict[str, Backend]:
     from tessera.backends import cpu, reference, triton  # noqa: F401  (registration side effects)
 
     return dict(_REGISTRY)
+
+
+def resolve_device(backend: str, device: str | torch.device | None = None) -> torch.device:
+    """The device a model, its KV cache and every tensor the engine allocates live on.
+
+    Parameters
+    ----------
+    backend : a registered backend's name, or ``"auto"`` (ops and attention then follow the tensors' device).
+    device : None for the backend's default (its first :meth:`Backend.device_types`; ``"cpu"`` under ``"auto"``), or
+        a device the backend runs on (``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``).
+
+    Raises
+    ------
+    ValueError : an unknown backend, an unparsable device, or a device the backend does not run on.
+    RuntimeError : a CUDA device on a machine where ``torch.cuda.is_available()`` is False.
+    """
+    if backend == "auto":
+        types: tuple[str, ...] = ()
+    else:
+        backends = registered()
+        if backend not in backends:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(backends)} or 'auto'")
+        types = _device_types(backends[backend])
+    if device is None:
+        device = types[0] if types else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} ({err})") from None
+    if types and resolved.type not in types:
+        raise ValueError(f"backend {backend!r} runs on {' or '.join(types)} tensors, got device {str(resolved)!r}; "
+                         f"pass device={types[0]!r}, or backend='auto' to let each op follow the tensors' device")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {str(resolved)!r} was asked for but torch.cuda.is_available() is False on this "
+                           "machine; install a CUDA build of torch or use device='cpu'")
+    return resolved
+
+
+def _device_types(backend: Backend) -> tuple[str, ...]:
+    method = getattr(backend, "device_types", None)
+    return tuple(method()) if method is not None else ("cpu",)
 
 
 class BackendUnavailableError(RuntimeError):

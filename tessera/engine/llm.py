@@ -16,7 +16,8 @@ from tessera.engine.runner import Runner
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import Sequence
 from tessera.kv import BlockManager
-from tessera.models.model import Model, load_model
+from tessera.backends import resolve_device
+from tessera.models.model import Model, load_model, to_device
 from tessera.models.paged import new_cache
 
 Prompt = str | list[int]
@@ -40,6 +41,9 @@ class LLM:
     enable_prefix_caching : reuse the KV of full pages shared with earlier prompts.
     keep_quantized : GGUF only, as :func:`tessera.models.load_model`: None (default) keeps Q4_0 / Q4_1 / Q8_0
         projections packed, False dequantizes every weight to ``dtype``.
+    device : where the weights, the KV cache and each step's tensors live: None for the backend's default
+        (``"cuda"`` for ``backend="triton"`` on a GPU, else ``"cpu"``). With a loaded ``Model``, its weights are
+        copied there when they live elsewhere.
 
     Examples
     --------
@@ -51,9 +55,12 @@ class LLM:
     def __init__(self, model: str | Path | Model | None = None, dtype: str = "float32", backend: str = "auto",
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
-                 enable_prefix_caching: bool = True, keep_quantized: bool | None = None) -> None:
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, backend=backend,
-                                                                        keep_quantized=keep_quantized)
+                 enable_prefix_caching: bool = True, keep_quantized: bool | None = None,
+                 device: str | torch.device | None = None) -> None:
+        if isinstance(model, Model):
+            self.model = model if device is None else to_device(model, resolve_device(model.backend, device))
+        else:
+            self.model = load_model(model, dtype=dtype, backend=backend, keep_quantized=keep_quantized, device=device)
         self.max_len = self.model.config.max_position
         if num_pages is None:
             num_pages = self._pages_for(kv_cache_memory, page_size, max_num_seqs)

@@ -44,9 +44,11 @@ class Runner:
             kv_lens.append(end)
             tables.append(bm.page_table(item.seq.seq_id))
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        return StepBatch(torch.tensor(ids, dtype=torch.int64), q_lens, kv_lens, table,
-                         torch.tensor(slots, dtype=torch.int64))
+        device = self.cache.device
+        # the page table is planning input, read on the host (StepBatch); tokens and slots feed kernels
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cpu")
+        return StepBatch(torch.tensor(ids, dtype=torch.int64, device=device), q_lens, kv_lens, table,
+                         torch.tensor(slots, dtype=torch.int64, device=device))
 
     def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, float]]:
         """Run one step; return ``seq_id -> (token id, logprob, top alternatives or None)`` for each sequence that
@@ -75,7 +77,8 @@ class Runner:
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
         if want:  # the model's distribution (before penalties, temperature, filters), as OpenAI and vLLM report
             logp = torch.log_softmax(logits[[rows[i] for i in want]].float(), dim=-1)
-            picked = logp.gather(1, torch.tensor([[ids_list[i]] for i in want])).squeeze(1).tolist()
+            chosen = torch.tensor([[ids_list[i]] for i in want], dtype=torch.int64, device=logp.device)
+            picked = logp.gather(1, chosen).squeeze(1).tolist()
             k = max(seqs[i].params.top_logprobs for i in want)
             top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
             for row, i in enumerate(want):

@@ -93,6 +93,15 @@ class QuantizedWeight:
     def device(self) -> torch.device:
         return self.data.device
 
+    def to(self, device: str | torch.device) -> QuantizedWeight:
+        """The same packed weight with every part on ``device`` (self when it is already there)."""
+        device = torch.device(device)
+        if self.data.device == device:
+            return self
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return QuantizedWeight(self.fmt, self.shape, self.group_size, move(self.data), move(self.scales),
+                               move(self.zeros), move(self.mins))
+
     @property
     def nbytes(self) -> int:
         """Bytes a matmul reads: packed data, scales, and zeros or mins."""

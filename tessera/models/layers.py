@@ -142,7 +142,7 @@ def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, bac
     the final-normed output of the last layer.
     """
     batch, seq = token_ids.shape
-    positions = torch.arange(seq, dtype=torch.int64).repeat(batch)
+    positions = torch.arange(seq, dtype=torch.int64, device=token_ids.device).repeat(batch)
     collect = [] if hidden_states is not None else None
     h = decoder(config, w, token_ids.reshape(-1), positions, rope_tables(config, seq),
                 dense_attend(config, batch, seq, backend), backend, collect)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,11 @@ class Model:
     def dtype(self) -> torch.dtype:
         return self.weights["embed"].dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live; the KV cache and every tensor a step allocates follow it."""
+        return self.weights["embed"].device
+
     @torch.no_grad()  # not inference_mode: kernels write outputs from worker threads
     def logits(self, token_ids: torch.Tensor, hidden_states: list | None = None) -> torch.Tensor:
         """Float32 logits ``[B, S, vocab]`` of every position of ``token_ids`` (int ``[B, S]``)."""
@@ -41,14 +47,15 @@ class Model:
         if self.config.learned_positions and token_ids.shape[1] > self.config.max_position:
             raise ValueError(f"sequence of {token_ids.shape[1]} tokens is longer than the model's "
                              f"{self.config.max_position} learned positions")
-        return forward_logits(self.config, self.weights, token_ids.long(), self.backend, hidden_states)
+        return forward_logits(self.config, self.weights, token_ids.to(self.device, torch.int64), self.backend,
+                              hidden_states)
 
     @torch.no_grad()  # not inference_mode: kernels write outputs from worker threads
     def greedy(self, token_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation by recomputing the whole sequence each step (a correctness tool, not the engine)."""
         out = list(token_ids)
         for _ in range(max_new_tokens):
-            nxt = int(self.logits(torch.tensor([out]))[0, -1].argmax())
+            nxt = int(self.logits(torch.tensor([out], device=self.device))[0, -1].argmax())
             out.append(nxt)
             if nxt in self.config.eos_token_ids:
                 break
@@ -68,7 +75,7 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto", *,
-               keep_quantized: bool | None = None) -> Model:
+               keep_quantized: bool | None = None, device: str | torch.device | None = None) -> Model:
     """Load a GGUF file or a Hugging Face directory.
 
     Parameters
@@ -79,7 +86,12 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     keep_quantized : GGUF only. None (default): Q4_0 / Q4_1 / Q8_0 projections stay packed (``QuantizedWeight``,
         exact), as llama.cpp runs the file, and other types are dequantized; True: every quantized projection must
         stay packed; False: all are dequantized to ``dtype`` (what transformers computes with).
+    device : where the weights go: None for the backend's default device (``"cpu"`` for ``"auto"``, ``"cuda"`` for
+        ``"triton"`` on a GPU), or one it runs on (``"cuda:1"``). The file is read on the host, then copied.
     """
+    from tessera.backends import resolve_device  # the backends package imports the attention stack; load it late
+
+    target = resolve_device(backend, device)
     torch_dtype = BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if torch_dtype not in BY_NAME.values():
         raise ValueError(f"load_model: dtype must be one of {list(BY_NAME)}, got {dtype!r}")
@@ -92,9 +104,17 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
                              "directory (config.json + safetensors)")
         from tessera.models.gguf import load_gguf
 
-        return load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized)
+        return to_device(load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized), target)
     from tessera.models import hf
 
     _, family, config = hf.read_config(path)
     weights = hf.load_weights(path, config, family, torch_dtype)
-    return Model(config, weights, hf.load_tokenizer(path), backend=backend)
+    return to_device(Model(config, weights, hf.load_tokenizer(path), backend=backend), target)
+
+
+def to_device(model: Model, device: torch.device) -> Model:
+    """``model`` with every weight (float tensors and :class:`QuantizedWeight` parts) on ``device``."""
+    if model.device == device:
+        return model
+    weights = {name: w.to(device) for name, w in model.weights.items()}
+    return dataclasses.replace(model, weights=weights)

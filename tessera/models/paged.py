@@ -30,8 +30,11 @@ class StepBatch:
     token_ids : int64 ``[T]``, the new tokens of sequence 0, then sequence 1, ...
     q_lens : new tokens per sequence (``sum = T``)
     kv_lens : tokens each sequence has in the cache after this step (its new tokens are the last ``q_lens[s]``)
-    page_table : int32 ``[num_seqs, max_pages]``
+    page_table : int32 ``[num_seqs, max_pages]`` on the host: planning input (backends turn it into their own
+        layout once per step, as FlashInfer's ``plan`` takes host index arrays)
     slots : int64 ``[T]``, the cache slot of each new token (``page_table[s, pos // page] * page + pos % page``)
+
+    ``token_ids`` and ``slots`` live on the model's device; :attr:`positions` follows them.
     """
 
     token_ids: torch.Tensor
@@ -43,8 +46,10 @@ class StepBatch:
     @property
     def positions(self) -> torch.Tensor:
         """Absolute position of every new token, int64 ``[T]``."""
-        parts = [torch.arange(kl - ql, kl, dtype=torch.int64) for ql, kl in zip(self.q_lens, self.kv_lens)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        device = self.token_ids.device
+        parts = [torch.arange(kl - ql, kl, dtype=torch.int64, device=device)
+                 for ql, kl in zip(self.q_lens, self.kv_lens)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
     def validate(self) -> None:
         t = int(self.token_ids.numel())
@@ -53,6 +58,9 @@ class StepBatch:
                              f"{sum(self.q_lens)} must agree")
         if len(self.q_lens) != len(self.kv_lens) or self.page_table.shape[0] != len(self.q_lens):
             raise ValueError("StepBatch: q_lens, kv_lens and page_table rows must have one entry per sequence")
+        if self.slots.device != self.token_ids.device:
+            raise ValueError(f"StepBatch: token_ids ({self.token_ids.device}) and slots ({self.slots.device}) must "
+                             "be on the model's device")
 
 
 def slots_for(page_table_row: list[int] | torch.Tensor, positions: range | list[int], page_size: int) -> list[int]:
@@ -62,9 +70,10 @@ def slots_for(page_table_row: list[int] | torch.Tensor, positions: range | list[
 
 
 def new_cache(model: Model, num_pages: int, page_size: int) -> PagedKVCache:
-    """A page pool shaped for ``model`` in its dtype."""
+    """A page pool shaped for ``model`` in its dtype, on its device."""
     c = model.config
-    return PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+    return PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype,
+                        device=model.device)
 
 
 @torch.no_grad()
@@ -88,8 +97,12 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
     """
     step.validate()
     config, w, backend = model.config, model.weights, model.backend
+    device = model.device
+    if step.token_ids.device != device or cache.device != device:
+        raise ValueError(f"forward_step: the model is on {device}, the step's tokens on {step.token_ids.device} and "
+                         f"the cache on {cache.device}; build all three on the model's device (new_cache(model, ...))")
     if step.token_ids.numel() == 0:
-        return torch.zeros(0, config.vocab_size)
+        return torch.zeros(0, config.vocab_size, device=device)
     plans: dict[object, object] = {}
 
     def spec_key(i: int) -> object:
@@ -113,7 +126,8 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
     if h is None:
         h = decoder(config, w, step.token_ids.long(), positions, ropes, attend, backend)
     if not all_logits:
-        ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0])
+        ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0],
+                            dtype=torch.int64, device=device)
         h = h[ends]
     head = w.get("lm_head", w["embed"])
     return K.lm_head(h.contiguous(), head, softcap=config.final_softcap, backend=backend)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tessera.tools.placement_flags import add_placement_flags
 from tessera.tools.weight_flags import add_weight_flags, keep_quantized
 
 DEFAULT_PROMPT = "Write one sentence about the sea."
@@ -20,7 +21,7 @@ def add_parser(commands) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--backend", default="auto")
+    add_placement_flags(p)
     add_weight_flags(p)
     p.set_defaults(run=_run)
 
@@ -29,7 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     from tessera.engine import LLM, SamplingParams
     from tessera.engine.chat import render_chat
 
-    llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=1, keep_quantized=keep_quantized(args))
+    llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=1, keep_quantized=keep_quantized(args),
+              device=args.device)
     prompt = args.prompt
     if args.chat:
         if llm.model.chat_template is None:

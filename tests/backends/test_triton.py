@@ -227,3 +227,4 @@ def test_gpu_script_smoke(tmp_path):
     report = json.loads(out.read_text())
     assert report["correctness"] and all(r["ok"] for r in report["correctness"])
     assert report["prefill"] and report["decode"] and "tessera_tflops" in report["prefill"][0]
+    assert report["engine"].get("throughput_tok_s", 0) > 0, report["engine"]

@@ -39,6 +39,9 @@ class CpuBackend:
     def available(self) -> list[str]:
         return []
 
+    def device_types(self) -> tuple[str, ...]:
+        return ("cpu",)
+
     def kernel_variants(self) -> list[dict[str, object]]:
         """Per op family, the kernel variant chosen for this CPU and why (:func:`.variants.explain`)."""
         from tessera.backends.cpu import variants

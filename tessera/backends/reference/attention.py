@@ -73,6 +73,10 @@ class ReferenceBackend:
     def available(self) -> list[str]:
         return []
 
+    def device_types(self) -> tuple[str, ...]:
+        """Plain torch in float64: wherever torch runs (on CUDA too, slowly; it is the oracle, not a fast path)."""
+        return ("cpu", "cuda")
+
     def why_not(self, request) -> list[str]:
         return []
 

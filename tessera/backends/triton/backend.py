@@ -39,6 +39,10 @@ class TritonBackend:
         return ["no CUDA device (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 to run the kernels on "
                 "the CPU through Triton's interpreter (slow, for testing)"]
 
+    def device_types(self) -> tuple[str, ...]:
+        """CUDA tensors; CPU tensors instead under ``TRITON_INTERPRET=1`` (the interpreter runs nothing else)."""
+        return ("cpu",) if interpreting() else ("cuda",)
+
     def why_not(self, request: AttentionRequest) -> list[str]:
         reasons = []
         want = "cpu (TRITON_INTERPRET=1)" if interpreting() else "cuda"
