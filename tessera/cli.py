@@ -94,9 +94,6 @@ def _versions() -> dict[str, str]:
 
 
 def _backends() -> list[dict[str, Any]]:
-    # tessera.attention first: importing tessera.backends on its own runs into the attention <-> backends import
-    # cycle (backends.base needs attention.spec, whose package imports attention.api, which needs backends.base).
-    import tessera.attention  # noqa: F401
     from tessera.backends import registered
 
     rows = []
@@ -118,7 +115,6 @@ def _tuning() -> list[dict[str, Any]]:
 def _variants() -> list[dict[str, Any]]:
     """Every usable backend's kernel variants (backends that specialize kernels per CPU expose
     ``kernel_variants()``), each row tagged with its backend."""
-    import tessera.attention  # noqa: F401  (see _backends)
     from tessera.backends import registered
 
     rows = []

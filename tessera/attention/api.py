@@ -8,7 +8,8 @@ from tessera.attention.execute import execute
 from tessera.attention.lengths import ragged_batch
 from tessera.attention.plan_cache import PlanCache
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch, select
+from tessera.backends.base import AttentionRequest, KVLayout, RaggedBatch
+from tessera.backends.registry import select
 from tessera.dtypes import FLOAT_DTYPES
 
 

@@ -15,7 +15,8 @@ import torch
 from tessera.attention.lengths import ragged_batch
 from tessera.attention.execute import execute
 from tessera.attention.spec import AttentionSpec
-from tessera.backends.base import DEFAULT_PLAN_OPTIONS, AttentionRequest, KVLayout, PlanOptions, RaggedBatch, select
+from tessera.backends.base import DEFAULT_PLAN_OPTIONS, AttentionRequest, KVLayout, PlanOptions, RaggedBatch
+from tessera.backends.registry import select
 from tessera.dtypes import FLOAT_DTYPES
 
 

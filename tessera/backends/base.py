@@ -1,4 +1,4 @@
-"""The backend interface, the ragged batch description every backend consumes, and the backend registry."""
+"""The backend interface and the ragged batch description every backend consumes (the registry: ``registry.py``)."""
 
 from __future__ import annotations
 
@@ -107,87 +107,8 @@ class Backend(Protocol):
         ...
 
 
-_REGISTRY: dict[str, Backend] = {}
-
-
-def register(backend: Backend) -> Backend:
-    """Add a backend to the registry (a new accelerator is one new backend folder that calls this)."""
-    _REGISTRY[backend.name] = backend
-    return backend
-
-
-def registered() -> dict[str, Backend]:
-    """All registered backends by name, loading the built-in ones on first use."""
-    # Import the built-in backends even when another one registered first (e.g. a test imported cpu directly).
-    from tessera.backends import cpu, reference, triton  # noqa: F401  (registration side effects)
-
-    return dict(_REGISTRY)
-
-
-def resolve_device(backend: str, device: str | torch.device | None = None) -> torch.device:
-    """The device a model, its KV cache and every tensor the engine allocates live on.
-
-    Parameters
-    ----------
-    backend : a registered backend's name, or ``"auto"`` (ops and attention then follow the tensors' device).
-    device : None for the backend's default (its first :meth:`Backend.device_types`; ``"cpu"`` under ``"auto"``), or
-        a device the backend runs on (``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``).
-
-    Raises
-    ------
-    ValueError : an unknown backend, an unparsable device, or a device the backend does not run on.
-    RuntimeError : a CUDA device on a machine where ``torch.cuda.is_available()`` is False.
-    """
-    if backend == "auto":
-        types: tuple[str, ...] = ()
-    else:
-        backends = registered()
-        if backend not in backends:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(backends)} or 'auto'")
-        types = _device_types(backends[backend])
-    if device is None:
-        device = types[0] if types else "cpu"
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} ({err})") from None
-    if types and resolved.type not in types:
-        raise ValueError(f"backend {backend!r} runs on {' or '.join(types)} tensors, got device {str(resolved)!r}; "
-                         f"pass device={types[0]!r}, or backend='auto' to let each op follow the tensors' device")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {str(resolved)!r} was asked for but torch.cuda.is_available() is False on this "
-                           "machine; install a CUDA build of torch or use device='cpu'")
-    return resolved
-
-
-def _device_types(backend: Backend) -> tuple[str, ...]:
-    method = getattr(backend, "device_types", None)
-    return tuple(method()) if method is not None else ("cpu",)
-
-
 class BackendUnavailableError(RuntimeError):
     """No backend (or not the requested one) can serve a request; the message lists every backend's reasons."""
-
-
-def select(request: AttentionRequest, name: str = "auto") -> Backend:
-    """The backend named ``name``, or under ``"auto"`` the highest-priority backend that can serve ``request``."""
-    backends = registered()
-    if name != "auto":
-        if name not in backends:
-            raise ValueError(f"unknown backend {name!r}; choose one of {sorted(backends)} or 'auto'")
-        reasons = backends[name].available() + backends[name].why_not(request)
-        if reasons:
-            raise BackendUnavailableError(f"backend {name!r} cannot run {request.spec!r}: " + "; ".join(reasons))
-        return backends[name]
-    refusals: list[str] = []
-    for backend in sorted(backends.values(), key=lambda b: -b.priority):
-        reasons = backend.available() + backend.why_not(request)
-        if not reasons:
-            return backend
-        refusals.append(f"  {backend.name}: " + "; ".join(reasons))
-    raise BackendUnavailableError(
-        f"no backend can run {request.spec!r} on {request.device} with {request.dtype}:\n" + "\n".join(refusals)
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from tessera.backends import resolve_device
 from tessera.engine.params import RequestOutput, SamplingParams
 from tessera.engine.runner import Runner
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import Sequence
 from tessera.kv import BlockManager
-from tessera.backends import resolve_device
-from tessera.models.model import Model, load_model, to_device
+from tessera.models.load import load_model
+from tessera.models.model import Model, to_device
 from tessera.models.paged import new_cache
 
 Prompt = str | list[int]

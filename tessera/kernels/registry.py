@@ -1,14 +1,16 @@
 """Which backend implements which kernel op, and how a call picks one.
 
-Each backend folder has an ``ops`` package with one module per op family; every module ends with
-``OPS = {"op_name": function}``. Nothing is imported until an op is first called (then the backend's family modules
-are imported and their tables merged), so ``import tessera.kernels`` stays cheap and a new accelerator adds its
-kernels by adding one folder (no edit here). Public functions in ``tessera.kernels`` validate their arguments,
-then call ``resolve(op, backend, device)`` and run what it returns.
+Each backend's ``ops`` package (beside the module defining its class: :func:`tessera.backends.registry.ops_package`)
+has one module per op family; every module ends with ``OPS = {"op_name": function}``. Nothing is imported until an
+op is first called (then the backend's family modules are imported and their tables merged), so
+``import tessera.kernels`` stays cheap, and a new accelerator's kernels are found from its backend folder alone.
+Public functions in ``tessera.kernels`` validate their arguments, then call ``resolve(op, backend, device)`` and run
+what it returns.
 
-Selection under ``backend="auto"``: CUDA tensors go to ``triton`` when it is usable, CPU tensors to ``cpu``, and any
-device to ``reference`` when nothing else implements the op. The reference functions compute in float64 and return
-the API's output dtype; their ``*_f64`` twins (tests' oracle) return float64.
+Selection under ``backend="auto"``: among the usable backends that run tensors of the call's device type and
+implement the op, the highest priority wins (on CPU tensors the cpu backend, on CUDA tensors triton when it is
+installed, else the float64 reference). The reference functions compute in float64 and return the API's output
+dtype; their ``*_f64`` twins (tests' oracle) return float64.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pkgutil
 import threading
 from typing import Callable
 
-BACKENDS = ("reference", "cpu", "triton")
+from tessera.backends import registry as backends
+
 _TABLES: dict[str, dict[str, Callable]] = {}
 _LOCK = threading.Lock()
 
@@ -29,7 +32,7 @@ def table(backend: str) -> dict[str, Callable]:
         if backend not in _TABLES:
             merged: dict[str, Callable] = {}
             try:
-                package = importlib.import_module(f"tessera.backends.{backend}.ops")
+                package = importlib.import_module(backends.ops_package(backend))
             except ModuleNotFoundError:
                 package = None
             for info in pkgutil.iter_modules(package.__path__) if package else []:
@@ -46,20 +49,14 @@ def table(backend: str) -> dict[str, Callable]:
 
 def implementations(op: str) -> list[str]:
     """Backends that implement ``op``."""
-    return [b for b in BACKENDS if op in table(b)]
+    return [b for b in backends.names() if op in table(b)]
 
 
-def _load(op: str, backend: str) -> Callable:
-    return table(backend)[op]
+_RESOLVED: dict[tuple[str, str, str], Callable | None] = {}
 
 
-def _triton_usable() -> bool:
-    from tessera.backends import registered
-
-    return not registered()["triton"].available()
-
-
-_RESOLVED: dict[tuple[str, str, str], Callable] = {}
+def _device_type(device) -> str:
+    return getattr(device, "type", None) or str(device).partition(":")[0]
 
 
 def resolve(op: str, backend: str, device) -> Callable:
@@ -68,48 +65,45 @@ def resolve(op: str, backend: str, device) -> Callable:
     Raises ValueError for unknown backends or backends that lack the op (the message lists those that have it).
     Answers are cached per (op, backend, device type): decode-sized calls take a few microseconds in total.
     """
-    key = (op, backend, getattr(device, "type", str(device)))
+    key = (op, backend, _device_type(device))
     fn = _RESOLVED.get(key)
     if fn is None:
-        fn = _RESOLVED[key] = _resolve(op, backend, device)
+        fn = _RESOLVED[key] = _resolve(op, backend, key[2])
     return fn
 
 
 def resolve_optional(op: str, backend: str, device) -> Callable | None:
     """The backend's own implementation of an optional op (a fusion such as ``fused_decode_layers``), or None.
 
-    Unlike :func:`resolve` there is no fallback to ``reference``: an optional op replaces a sequence of other ops
-    where a backend has a faster form, and the caller runs that sequence when this returns None. Under ``"auto"`` the
-    backend is the one :func:`resolve` would pick for ``device``'s tensors (``cpu`` for CPU tensors, ``triton`` for
-    CUDA ones when usable).
+    Unlike :func:`resolve` nothing else stands in: an optional op replaces a sequence of other ops where a backend
+    has a faster form, and the caller runs that sequence when this returns None. Under ``"auto"`` the backend is the
+    highest-priority usable one for ``device``'s tensors, whether or not it has the op.
     """
-    key = ("?" + op, backend, getattr(device, "type", str(device)))
+    key = ("?" + op, backend, _device_type(device))
     if key in _RESOLVED:
         return _RESOLVED[key]
-    name = backend
     if backend == "auto":
-        device_type = getattr(device, "type", str(device))
-        name = {"cpu": "cpu", "cuda": "triton" if _triton_usable() else ""}.get(device_type, "")
-    elif backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)} or 'auto'")
+        first = backends.by_priority(key[2])
+        name = first[0].name if first else ""
+    else:
+        backends.get(backend)  # unknown names raise here
+        name = backend
     fn = table(name).get(op) if name else None
     _RESOLVED[key] = fn
     return fn
 
 
-def _resolve(op: str, backend: str, device) -> Callable:
+def _resolve(op: str, backend: str, device_type: str) -> Callable:
     have = implementations(op)
     if not have:
         raise ValueError(f"no backend implements kernel op {op!r}")
     if backend == "auto":
-        device_type = getattr(device, "type", str(device))
-        if device_type == "cuda" and "triton" in have and _triton_usable():
-            return _load(op, "triton")
-        if device_type == "cpu" and "cpu" in have:
-            return _load(op, "cpu")
-        return _load(op, "reference")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)} or 'auto'")
+        for candidate in backends.by_priority(device_type):
+            if candidate.name in have:
+                return table(candidate.name)[op]
+        raise ValueError(f"no usable backend runs kernel op {op!r} on {device_type} tensors; backends that implement "
+                         f"it: {have} (`tessera info` says why one is unusable)")
+    backends.get(backend)  # unknown names raise here
     if backend not in have:
         raise ValueError(f"backend {backend!r} does not implement {op!r}; backends that do: {have}")
-    return _load(op, backend)
+    return table(backend)[op]

@@ -7,6 +7,7 @@
 
 from tessera.models.config import ModelConfig
 from tessera.models.hf import CheckpointError
-from tessera.models.model import Model, default_model_path, load_model
+from tessera.models.load import load_model
+from tessera.models.model import Model, default_model_path
 
 __all__ = ["CheckpointError", "Model", "ModelConfig", "default_model_path", "load_model"]

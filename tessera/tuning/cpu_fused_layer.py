@@ -20,13 +20,15 @@ import numba
 import numpy as np
 import torch
 
-import tessera.attention  # noqa: F401  (before tessera.backends: see tessera/cli.py's note on the import cycle)
+from tessera.attention.masks import causal
+from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import decode
 from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.bench.harness import copies_for, rotating
 from tessera.tuning.fingerprint import fingerprint
+from tessera.tuning.random_weights import random_qweight
 from tessera.tuning.registry import Crossover, Tunable, overriding, register
 
 #: multiply-adds of the biggest GEMV of one decode step (gate/up) the crossover is timed at
@@ -44,7 +46,6 @@ def _layer_shape(work: int) -> tuple[int, int, int, int]:
 
 
 def _packed(n: int, k: int, gen: torch.Generator) -> tuple:
-    from tessera.tuning.cpu import random_qweight
 
     return qdot.weight_arrays(random_qweight("int4_min", n, k, gen))
 
@@ -58,7 +59,7 @@ def _inputs(work: int) -> tuple[Callable[[], tuple], tuple[Any, ...], tuple[Any,
     l3 = fingerprint()["caches"].get("L3") or (32 << 20)
     copies = copies_for(layer_bytes, total=2 * l3, most=30)
     layers = [tuple(_packed(n, k, gen) for n, k in projections) for _ in range(copies)]
-    spec = tessera.attention.AttentionSpec(hq, hkv, HEAD_DIM, mask=tessera.attention.causal())
+    spec = AttentionSpec(hq, hkv, HEAD_DIM, mask=causal())
     batch = RaggedBatch((1,), (KEYS,))
     with overriding("decode_serial_max_bytes", 1 << 62):  # one item: the crossover is the GEMVs', not the attention's
         plan = decode.DecodePlan.build(batch, [0], spec, KVLayout.contiguous(batch))
