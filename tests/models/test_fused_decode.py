@@ -102,6 +102,25 @@ def test_fused_decode_equals_per_op_path(name, dtype, tmp_path, fused_calls, wor
     assert fused_calls == [True] * 4  # fused=False steps never ask
 
 
+def test_replaced_weights_are_used_by_the_next_fused_step(tmp_path, fused_calls):
+    """The kernel's weight views are cached per model, never stale: replacing a projection rebuilds them."""
+    model = _model("llama", tmp_path)
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, 211, (6,), generator=gen).tolist()
+    table = {0: [3, 0, 5]}
+    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step({0: tokens}, {0: 6}, table), fused=False)
+    before = forward_step(model, caches[0], _step({0: tokens + [5]}, {0: 1}, table))
+    old = model.weights["layers.1.o.weight"]
+    model.weights["layers.1.o.weight"] = torch.randn(old.shape, generator=gen, dtype=old.dtype)
+    step = _step({0: tokens + [5, 9]}, {0: 1}, table)
+    forward_step(model, caches[1], _step({0: tokens + [5]}, {0: 1}, table), fused=False)
+    fused, per_op = forward_step(model, caches[0], step), forward_step(model, caches[1], step, fused=False)
+    torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
+    assert fused_calls == [True, True] and not torch.equal(before, fused)
+
+
 def test_fused_decode_declines_what_it_cannot_run(tmp_path, fused_calls, monkeypatch):
     model = _model("llama", tmp_path)
     tokens = torch.randint(0, 211, (9,), generator=torch.Generator().manual_seed(6)).tolist()

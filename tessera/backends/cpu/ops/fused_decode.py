@@ -14,6 +14,8 @@ step in Python between kernels; see docs/engine.md for the numbers after fusion.
 
 from __future__ import annotations
 
+import weakref
+
 import numba
 import numpy as np
 import torch
@@ -32,8 +34,19 @@ from tessera.tuning import tuned
 
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-_VIEWS_ATTR = "_fused_decode_views"
-_KV_ATTR = "_fused_decode_kv_rows"
+#: id(model) -> (qgemv variant, identity of every weight, views); an entry leaves with its model (weakref.finalize).
+#: The views hold the weights they were built from, so those ids cannot be reused while the entry lives: a weight
+#: replaced in ``model.weights`` changes the identity tuple and the views are rebuilt.
+_VIEWS: dict[int, tuple] = {}
+#: id(cache) -> (its K pages, its V pages, their storage rows), the same way as :data:`_VIEWS`
+_KV_ROWS: dict[int, tuple] = {}
+
+
+def _remember(store: dict[int, tuple], owner: object, entry: tuple) -> None:
+    """``store[id(owner)] = entry`` until ``owner`` is collected (nothing is set on the owner itself)."""
+    if id(owner) not in store:
+        weakref.finalize(owner, store.pop, id(owner), None)
+    store[id(owner)] = entry
 
 
 def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
@@ -79,12 +92,13 @@ def _weight_view(w):
 def _layer_views(model) -> tuple[list[tuple], int, object] | None:
     """Per layer, the kernel's weight arguments as NumPy storage views; the multiply-adds of the biggest projection
     at one row of x; and the ISA token of the ``qgemv`` variant for the packed projections (None: portable). None
-    when the model cannot be fused. Built on the first decode step and kept on the
-    model (replacing weights after that step needs a fresh model)."""
+    when the model cannot be fused. Built on the first decode step, kept in :data:`_VIEWS` while the model lives,
+    and rebuilt when a weight is replaced or the ``qgemv`` variant changes."""
     variant = variants.choose("qgemv").name  # the views embed the variant: a forced change rebuilds them
-    cached = getattr(model, _VIEWS_ATTR, None)
-    if cached is not None and cached[0] == variant:
-        return cached[1]
+    identity = tuple(map(id, model.weights.values()))
+    cached = _VIEWS.get(id(model))
+    if cached is not None and cached[0] == variant and cached[1] == identity:
+        return cached[2]
     config, w = model.config, model.weights
     views = None
     if unsupported_reason(config, w) is None:
@@ -116,20 +130,20 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
         # cold), which a float model never runs
         packed = any(isinstance(t, QuantizedWeight) for name, t in w.items() if name.startswith("layers."))
         views = (views, largest, qdot.chosen_token() if packed else None)
-    object.__setattr__(model, _VIEWS_ATTR, (variant, views))
+    _remember(_VIEWS, model, (variant, identity, views))
     return views
 
 
 def _kv_rows(cache, config: ModelConfig) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per layer, the cache's K and V pages as the kernel's storage rows ``[rows, Hkv, D]``: built once per cache
     instead of two tensor views per layer and step, and rebuilt if its page tensors were replaced."""
-    cached = getattr(cache, _KV_ATTR, None)
+    cached = _KV_ROWS.get(id(cache))
     if cached is not None and all(a is b for a, b in zip(cached[0], cache.k_pages)) and \
             all(a is b for a, b in zip(cached[1], cache.v_pages)):
         return cached[2]
     rows = (-1, config.num_kv_heads, config.head_dim)
     views = [(storage_view(k.view(rows)), storage_view(v.view(rows))) for k, v in zip(cache.k_pages, cache.v_pages)]
-    setattr(cache, _KV_ATTR, (list(cache.k_pages), list(cache.v_pages), views))
+    _remember(_KV_ROWS, cache, (list(cache.k_pages), list(cache.v_pages), views))
     return views
 
 
