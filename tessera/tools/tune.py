@@ -105,10 +105,11 @@ def _tune(args: argparse.Namespace, console: Any) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tessera.hw.ceilings import BUSY
-    from tessera.tuning import cpu, registry, search
+    from tessera.tuning import registry, search
+    from tessera.tuning.workload import SMOLLM2, SMOLLM2_AND_1B, format_classes, workload_from_model
 
-    workload = cpu.workload_from_model(args.model) if args.model else None
-    pairs = search.plan(args.only, cpu.quant_classes(workload))
+    workload = workload_from_model(args.model) if args.model else None
+    pairs = search.plan(args.only, format_classes(workload))
     start = time.perf_counter()
     outcomes: list[search.Outcome] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -131,7 +132,8 @@ def _tune(args: argparse.Namespace, console: Any) -> int:
             outcomes.append(outcome)
             nxt = pairs[state["i"]][0].name if state["i"] < len(pairs) else None
             if nxt != outcome.name:
-                cpu.release_inputs()  # the next tunable builds its own inputs
+                for module in registry.tunable_modules():  # the next tunable builds its own inputs
+                    getattr(module, "release_inputs", lambda: None)()
             progress.update(task, advance=1, description=describe())
 
         progress.update(task, description=describe())
@@ -140,7 +142,7 @@ def _tune(args: argparse.Namespace, console: Any) -> int:
         print(json.dumps([o.to_entry() | {"name": o.name, "shape_class": o.shape_class} for o in outcomes],
                          indent=2))
         return 0
-    shapes = workload or (cpu.SMOLLM2 if args.quick else cpu.SMOLLM2_AND_1B)
+    shapes = workload or (SMOLLM2 if args.quick else SMOLLM2_AND_1B)
     console.print(_outcome_table(outcomes, time.perf_counter() - start, shapes))
     console.print(f"cached in {registry.current_path()}", highlight=False)
     busy = max((o.others_busy for o in outcomes), default=0.0)

@@ -1,4 +1,4 @@
-"""Machine-specific tuning of the cpu backend's thresholds, with a persistent per-machine cache.
+"""Machine-specific tuning of the backends' thresholds, with a persistent per-machine cache.
 
 The cpu backend chooses between code paths by constants (up to how many rows the packed quantized GEMV beats
 de-quantized BLAS tiles, when a GEMV or a decode step is worth waking the thread pool). Where those crossovers fall
@@ -11,8 +11,9 @@ kernels read them through :func:`tuned`, a memoized lookup that never measures a
     if m <= tuned("quant_gemv_max_m", "int4", 128): ...
 
 Files: ``fingerprint.py`` (what identifies a machine), ``cache.py`` (the JSON file), ``registry.py``
-(:class:`Tunable`, :func:`tuned`, environment overrides), ``search.py`` (the measurements), ``cpu.py`` (the cpu
-backend's tunables), ``summary.py`` (what ``tessera tune --show`` and ``tessera info`` print). docs/tuning.md
+(:class:`Tunable`, :func:`tuned`, environment overrides), ``search.py`` (the measurements), ``workload.py`` (the
+model shapes they run on), ``summary.py`` (what ``tessera tune --show`` and ``tessera info`` print). Each backend's
+tunables live in its own folder, in the module its class names as ``tunables_module``. docs/tuning.md
 """
 
 from tessera.tuning.registry import (

@@ -28,14 +28,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tessera.tuning import cache
 from tessera.tuning.fingerprint import digest, fingerprint
 
-#: modules that register the built-in tunables; imported on the first lookup of a name not registered yet, so a
-#: kernel module can call ``tuned`` without importing the (heavier) module that declares its measurements
-BUILTIN_MODULES = ("tessera.tuning.cpu",)
 #: value types a tunable may have (what JSON and an environment variable can carry unambiguously)
 VALUE_TYPES = (bool, int, float, str)
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -391,9 +389,19 @@ def _forget(name: str) -> None:
         del _MEMO[key]
 
 
+def tunable_modules() -> list[ModuleType]:
+    """Each usable backend's tunables module (``Backend.tunables_module``: it registers the backend's tunables on
+    import and may offer ``release_inputs()``), imported."""
+    from tessera.backends import registry as backends  # loaded at the first lookup: kernels call tuned() early
+
+    names = [getattr(b, "tunables_module", None) for b in backends.registered().values() if not b.available()]
+    return [importlib.import_module(name) for name in names if name]
+
+
 def _load_builtins() -> None:
-    """Import :data:`BUILTIN_MODULES` once. Another thread's first lookup waits for the imports to finish; a lookup
-    made by the importing thread itself (while the modules register) returns at once."""
+    """Import the backends' :func:`tunable_modules` once, so a kernel module can call ``tuned`` without importing
+    the (heavier) module that declares its measurements. Another thread's first lookup waits for the imports to
+    finish; a lookup made by the importing thread itself (while the modules register) returns at once."""
     global _builtins_loaded, _builtins_loading
     if _builtins_loaded:
         return
@@ -402,8 +410,7 @@ def _load_builtins() -> None:
             return
         _builtins_loading = True
         try:
-            for module in BUILTIN_MODULES:
-                importlib.import_module(module)
+            tunable_modules()
             _builtins_loaded = True
         finally:
             _builtins_loading = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,7 +48,7 @@ def test_summary_rows(toy, monkeypatch):
 def test_real_measurements_run():
     """One call of each built-in measurement on the smallest grid point. A few seconds once the kernels are in
     Numba's cache; minutes when they compile (the first run after an edit of any kernel source)."""
-    from tessera.tuning import cpu, search
+    from tessera.tuning import search
 
     with search.using(search.Options(quick=True)):
         for name in registry.tunables():
@@ -58,12 +59,13 @@ def test_real_measurements_run():
                     assert path(m, t.shape_classes[0]) > 0
             else:
                 assert t.measure(t.default_for(None), None) > 0
-    cpu.release_inputs()
+    for module in registry.tunable_modules():
+        module.release_inputs()
 
 
 def test_model_workload_from_a_config(tmp_path):
     """--model reads only config.json (no weights) for a Hugging Face directory."""
-    from tessera.tuning.cpu import workload_from_model
+    from tessera.tuning.workload import workload_from_model
 
     config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
               "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100, "rms_norm_eps": 1e-5,
@@ -74,3 +76,11 @@ def test_model_workload_from_a_config(tmp_path):
     assert (w.num_q_heads, w.num_kv_heads, w.head_dim, w.formats) == (4, 2, 16, None)
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         workload_from_model(tmp_path / "missing")
+
+
+def test_format_classes_restrict_every_format_keyed_tunable():
+    from tessera.tuning.workload import SMOLLM2, format_classes
+
+    assert format_classes(None) == {} and format_classes(SMOLLM2) == {}
+    q4 = dataclasses.replace(SMOLLM2, formats=("int4_min",))
+    assert format_classes(q4) == {"quant_gemv_max_m": ("int4_min",)}

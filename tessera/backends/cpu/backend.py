@@ -35,6 +35,8 @@ class CpuBackend:
 
     name = "cpu"
     priority = 10
+    #: registers this backend's thresholds with :mod:`tessera.tuning` (``tessera tune`` measures them)
+    tunables_module = "tessera.backends.cpu.tunables"
 
     def available(self) -> list[str]:
         return []

@@ -51,7 +51,7 @@ from tessera.backends.cpu.ops.rope import _rotate_item
 #: gate/up) keep that near 5% while the last chunk leaves a worker idle for at most ~5 us
 CLAIM_ROWS = 128
 #: multiply-adds of a step's biggest GEMV from which the layer runs over all threads: the default of the
-#: ``fused_parallel_work`` tunable (:mod:`tessera.tuning.cpu_fused_layer` measures it)
+#: ``fused_parallel_work`` tunable (:mod:`tessera.backends.cpu.tunables_fused_layer` measures it)
 PARALLEL_WORK = 1 << 18
 _PHASES = 11
 

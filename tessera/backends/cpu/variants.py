@@ -13,7 +13,7 @@ prints: per family, the chosen variant and why, and why each better one was pass
 
 The ISA order is a guess about speed, not a measurement everywhere: on Zen 4 the two-instruction AVX2 dot product
 runs as fast as the 256-bit ``VPDPBUSD`` or up to 10% faster (the 512-bit ``vnni512`` rows beat both there). So a
-family listed in :data:`TUNED` also has a tunable, ``<family>_variant`` (:mod:`tessera.tuning.cpu`), that ``tessera
+family listed in :data:`TUNED` also has a tunable, ``<family>_variant`` (:mod:`tessera.backends.cpu.tunables`), that ``tessera
 tune`` sets to the variant it measured fastest on this machine; unforced, :func:`choose` takes that one when the CPU
 can run it. Its default, ``auto``, keeps the ISA order. The environment variable still wins over the tuned choice.
 """

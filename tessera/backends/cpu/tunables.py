@@ -10,14 +10,14 @@ tunable                       what it decides                                   
                               calling thread
 ``decode_serial_max_bytes``   K+V bytes (as float32) below which a decode step runs serially      decode.py
 ``fused_parallel_work``       multiply-adds of a step's biggest GEMV from which the fused decode   decode_layer
-                              layer runs over all threads (:mod:`.cpu_fused_layer`)
+                              layer runs over all threads (:mod:`.tunables_fused_layer`)
 ``prefill_q_tile``            query positions per prefill attention tile (BLAS path)              prefill.py
 ``qgemv_variant``             which int8-activation GEMV variant runs the packed projections       variants.py
                               (``auto``: the ISA order)
 ============================  ==================================================================  ============
 
 Each default is the module constant the code used before (measured on one 2-core AMD EPYC). The measurements use
-realistic shapes: SmolLM2-135M's projections (N x K = 3072 x 576, 576 x 1536, 960 x 576) and, outside ``--quick``,
+realistic shapes (:mod:`tessera.tuning.workload`): SmolLM2-135M's projections (N x K = 3072 x 576, 576 x 1536, 960 x 576) and, outside ``--quick``,
 a 1B-class model's (2048 x 2048, 11264 x 2048), or a given model's (``tessera tune --model``). Inputs rotate through
 enough copies to exceed twice the L3 (at most one per layer of a 30-layer model), so each timed call reads its
 weights or K/V from where a real forward pass would: memory for big models, L3 for small ones.
@@ -27,24 +27,23 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from tessera.backends.base import KVLayout, RaggedBatch
-from tessera.backends.cpu import decode, prefill, variants
+from tessera.backends.cpu import decode, prefill, tunables_fused_layer, variants
 from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import quant
 from tessera.bench.harness import copies_for, rotating
-from tessera.kernels.quant import FORMATS, QuantizedWeight
-from tessera.tuning import cpu_fused_layer, search
-from tessera.tuning.random_weights import random_qweight
+from tessera.kernels.quant import QuantizedWeight
+from tessera.tuning import search
 from tessera.tuning.fingerprint import fingerprint
+from tessera.tuning.random_weights import random_qweight
 from tessera.tuning.registry import Crossover, Tunable, overriding, register
+from tessera.tuning.workload import workload
 
 #: prompt rows of x the quantized crossover is timed at (and the thresholds it can choose)
 GEMV_ROWS = (8, 16, 32, 64, 128, 256)
@@ -52,69 +51,6 @@ GEMV_ROWS = (8, 16, 32, 64, 128, 256)
 TILE_ROWS = 256
 #: a model this many layers deep visits this many distinct weights / K/V per step: the most copies worth rotating
 MAX_COPIES = 30
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Shapes the measurements run on.
-
-    Attributes
-    ----------
-    name : shown in tables and recorded in the cache entries.
-    projections : ``(N, K)`` of each weight matrix of one layer (``y = x @ w.T``).
-    num_q_heads, num_kv_heads, head_dim : the attention shape of the decode measurement.
-    formats : the packed formats the model's projections use (``None``: all of :data:`FORMATS`).
-    """
-
-    name: str
-    projections: tuple[tuple[int, int], ...]
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    formats: tuple[str, ...] | None = None
-
-
-SMOLLM2 = Workload("SmolLM2-135M", ((3072, 576), (576, 1536), (960, 576)), 9, 3, 64)
-SMOLLM2_AND_1B = Workload("SmolLM2-135M + 1B-class", SMOLLM2.projections + ((2048, 2048), (11264, 2048)), 9, 3, 64)
-
-
-def workload() -> Workload:
-    """The workload of the search in progress: the model's (``--model``), else SmolLM2 (``--quick``) or SmolLM2 plus
-    the 1B-class shapes."""
-    opts = search.options()
-    if isinstance(opts.workload, Workload):
-        return opts.workload
-    return SMOLLM2 if opts.quick else SMOLLM2_AND_1B
-
-
-def workload_from_model(path: str | Path) -> Workload:
-    """The projection and attention shapes of a GGUF file or Hugging Face directory, from its config only (no
-    weights are read; the GGUF file is memory-mapped for its header and tensor table)."""
-    path = Path(path)
-    formats = None
-    if path.is_file():
-        from tessera.models.gguf import config_from_gguf, open_reader, read_metadata
-
-        reader = open_reader(path)
-        tensors = {t.name: t for t in reader.tensors}
-        config = config_from_gguf(read_metadata(reader), tensors, path)[2]
-        packed = {"Q4_0": "int4", "Q4_1": "int4_min", "Q8_0": "int8"}
-        found = {packed[t.tensor_type.name] for name, t in tensors.items()
-                 if name.startswith("blk.") and name.endswith(".weight") and t.tensor_type.name in packed}
-        formats = tuple(f for f in FORMATS if f in found) or None
-    elif path.is_dir():
-        from tessera.models.hf import read_config
-
-        config = read_config(path)[2]
-    else:
-        raise FileNotFoundError(f"--model {path}: no such file or directory; pass a .gguf file or a Hugging Face "
-                                "model directory")
-    h = config.hidden_size
-    inner = config.moe_intermediate_size if config.is_moe else config.intermediate_size
-    mlp = ((2 * inner, h), (h, inner)) if config.gated_mlp else ((inner, h), (h, inner))
-    projections = ((config.qkv_rows, h), (h, config.num_heads * config.head_dim), *mlp)
-    return Workload(path.name, tuple(dict.fromkeys(projections)), config.num_heads, config.num_kv_heads,
-                    config.head_dim, formats)
 
 
 def _l3_bytes() -> int:
@@ -306,7 +242,7 @@ def _register_all() -> None:
         doc="Query positions per tile of the BLAS prefill attention: bigger tiles make bigger GEMMs and fewer "
             "tasks, smaller ones skip more of a causal mask's empty corner.",
     ), replace=True)
-    cpu_fused_layer.register_all()
+    tunables_fused_layer.register_all()
     # Only the variants this CPU runs are candidates, so a cache file never names one it cannot execute; one that
     # does anyway (a copied file) is ignored by variants.choose. The portable float kernels never win: not timed.
     runnable = tuple(v for v in variants.available("qgemv") if v != variants.PORTABLE)
@@ -321,12 +257,7 @@ def release_inputs() -> None:
     """Free the measurement inputs (a few hundred MB while a run of ``tessera tune`` holds them)."""
     for fn in (_quant_inputs, _float_inputs, _decode_inputs, _prefill_inputs):
         fn.cache_clear()
-    cpu_fused_layer.release_inputs()
-
-
-def quant_classes(w: Workload | None) -> dict[str, Sequence[str]]:
-    """The shape classes a model restricts the run to (its packed formats), for :func:`tessera.tuning.search.plan`."""
-    return {"quant_gemv_max_m": w.formats} if w is not None and w.formats else {}
+    tunables_fused_layer.release_inputs()
 
 
 _register_all()
