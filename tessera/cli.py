@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import warnings
@@ -21,6 +22,8 @@ from rich.table import Table
 
 import tessera
 
+#: set to 1 to see the traceback of a command that fails, instead of its one-line error
+DEBUG_ENV = "TESSERA_DEBUG"
 #: Packages whose versions ``tessera info`` reports, read from installed metadata so nothing heavy is imported.
 VERSIONED_PACKAGES = ("torch", "numpy", "numba", "triton", "rich")
 
@@ -35,7 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = _build_parser()
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as err:
+        # What a user can fix (a missing model file, a device this machine lacks, an unknown backend) reads as one
+        # line, not a traceback; TESSERA_DEBUG=1 shows the traceback of anything that is in fact a bug.
+        if os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes", "on"):
+            raise
+        print(f"error: {type(err).__name__}: {err}\n(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 2
 
 
 def _build_parser() -> argparse.ArgumentParser:

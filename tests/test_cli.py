@@ -58,6 +58,19 @@ def test_a_command_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     assert "info" in capsys.readouterr().err
 
 
+def test_user_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                  tmp_path: Path) -> None:
+    monkeypatch.delenv("TESSERA_DEBUG", raising=False)
+    assert main(["generate", "hi", "--model", str(tmp_path / "missing.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "error: FileNotFoundError: load_model:" in err and "TESSERA_DEBUG=1" in err and "Traceback" not in err
+    assert main(["generate", "hi", "--backend", "tpu"]) == 2
+    assert "unknown backend 'tpu'" in capsys.readouterr().err
+    monkeypatch.setenv("TESSERA_DEBUG", "1")
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        main(["generate", "hi", "--backend", "tpu"])
+
+
 def test_python_dash_m_tessera(tmp_path: Path) -> None:
     get_ceilings()  # cache an entry (faked) so the subprocess reads it instead of measuring
     env = {**os.environ, "TESSERA_CACHE_DIR": str(tmp_path)}
