@@ -1,5 +1,5 @@
 """A new backend is one folder plus one registry line: a toy backend written to a temporary folder, registered by
-``"module:Class"``, passes the attention conformance cases and serves a kernel op from its own ``ops`` package."""
+``"module:Class"``, runs the attention conformance cases and serves a kernel op from its own ``ops`` package."""
 
 from __future__ import annotations
 
@@ -15,9 +15,14 @@ from tessera.kernels import registry as kernel_registry
 from tests.attention.cases import VARIANTS, check_against_oracle, dense_layout, seed_of, varlen_layout
 
 BACKEND_PY = '''
-"""A toy accelerator: plain torch in float32, one sequence at a time, through the spec's public mask/score API."""
+"""A toy accelerator: its own planning and row gathering; the per-sequence math is the oracle's (the conformance
+cases then check the plumbing a new backend writes: the registry, its plan/run, the KV layout, the output rows)."""
+
+import dataclasses
 
 import torch
+
+from tessera.backends.reference import sequence_attention
 
 
 class ToyBackend:
@@ -34,34 +39,19 @@ class ToyBackend:
         return [] if request.device.type == "cpu" else [f"runs on cpu tensors, got {request.device.type}"]
 
     def plan(self, spec, batch, layout, options=None):
-        return spec, batch, layout
+        return dataclasses.replace(spec, sinks=None), batch, layout  # run() excludes sinks: the caller folds them
 
     def run(self, state, q, k_rows, v_rows, out, lse):
         spec, batch, layout = state
         for s in range(batch.num_seqs):
-            ql, kl, q0 = batch.q_lens[s], batch.kv_lens[s], batch.q_starts[s]
+            ql, q0 = batch.q_lens[s], batch.q_starts[s]
             if ql == 0:
                 continue
-            rows = layout.rows(s, kl)
+            rows = layout.rows(s, batch.kv_lens[s])
             rows = rows if isinstance(rows, slice) else torch.from_numpy(rows)
-            k = k_rows[rows].float().repeat_interleave(spec.group_size, dim=1).transpose(0, 1)
-            v = v_rows[rows].float().repeat_interleave(spec.group_size, dim=1).transpose(0, 1)
-            qs = q[q0:q0 + ql].float().transpose(0, 1)                      # [Hq, ql, D]
-            scores = qs @ k.transpose(1, 2) * spec.softmax_scale            # [Hq, ql, kl]
-            b = torch.tensor(s)
-            h = torch.arange(spec.num_q_heads).view(-1, 1, 1)
-            qp = torch.arange(kl - ql, kl).view(1, -1, 1)
-            kp = torch.arange(kl).view(1, 1, -1)
-            if spec.score is not None:
-                scores = spec.score.apply(scores, b, h, qp, kp).float()
-            if spec.mask is not None:
-                keep = torch.broadcast_to(spec.mask.evaluate(b, h, qp, kp), scores.shape)
-                scores = scores.masked_fill(~keep, float("-inf"))
-            m = torch.logsumexp(scores, dim=-1)                              # [Hq, ql]
-            finite = torch.isfinite(m)
-            p = torch.where(finite.unsqueeze(-1), torch.exp(scores - torch.where(finite, m, 0.0).unsqueeze(-1)), 0.0)
-            out[q0:q0 + ql] = (p @ v).transpose(0, 1).to(out.dtype)
-            lse[q0:q0 + ql] = m.transpose(0, 1)
+            o, m = sequence_attention(q[q0:q0 + ql], k_rows[rows], v_rows[rows], spec, s)
+            out[q0:q0 + ql] = o.to(out.dtype)
+            lse[q0:q0 + ql] = m.float()
 '''
 
 OPS_PY = '''

@@ -111,14 +111,14 @@ def test_replaced_weights_are_used_by_the_next_fused_step(tmp_path, fused_calls)
     caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
     for cache in caches:
         forward_step(model, cache, _step({0: tokens}, {0: 6}, table), fused=False)
-    before = forward_step(model, caches[0], _step({0: tokens + [5]}, {0: 1}, table))
+    forward_step(model, caches[0], _step({0: tokens + [5]}, {0: 1}, table))  # builds the weight views
     old = model.weights["layers.1.o.weight"]
     model.weights["layers.1.o.weight"] = torch.randn(old.shape, generator=gen, dtype=old.dtype)
     step = _step({0: tokens + [5, 9]}, {0: 1}, table)
     forward_step(model, caches[1], _step({0: tokens + [5]}, {0: 1}, table), fused=False)
     fused, per_op = forward_step(model, caches[0], step), forward_step(model, caches[1], step, fused=False)
     torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
-    assert fused_calls == [True, True] and not torch.equal(before, fused)
+    assert fused_calls == [True, True]  # both steps fused: the second on views rebuilt from the new weight
 
 
 def test_fused_decode_declines_what_it_cannot_run(tmp_path, fused_calls, monkeypatch):
