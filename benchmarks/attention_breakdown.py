@@ -56,7 +56,7 @@ def decode_rows(reps: int, quick: bool) -> list[dict[str, Any]]:
     part_out = np.empty((dplan.num_items, dplan.rows_per_item, D), np.float32)
     part_lse = np.empty((dplan.num_items, dplan.rows_per_item), np.float32)
     args = (q.reshape(b, HQ, D).numpy(), storage_view(k.reshape(b * length, HKV, D)),
-            storage_view(v.reshape(b * length, HKV, D)), part_out, part_lse, *dplan.arrays)
+            storage_view(v.reshape(b * length, HKV, D)), part_out, part_lse, dplan.schedule)
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     fns: dict[str, Callable[[], Any]] = {
         "attention()": lambda: attention(q, k, v, spec, backend="cpu"),

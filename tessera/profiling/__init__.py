@@ -18,7 +18,9 @@ from tessera.profiling.accounting import (
     OpStats,
     account_ops,
     force_unfused,
+    targets,
 )
 from tessera.profiling.tracer import ProfileResult, profile_request
 
-__all__ = ["TARGETS", "OpAccounting", "OpStats", "ProfileResult", "account_ops", "force_unfused", "profile_request"]
+__all__ = ["TARGETS", "OpAccounting", "OpStats", "ProfileResult", "account_ops", "force_unfused", "profile_request",
+           "targets"]

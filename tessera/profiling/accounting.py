@@ -7,8 +7,8 @@ call's ``time.perf_counter`` wall time and its FLOPs and bytes (from argument sh
 :mod:`tessera.hw.roofline`) to that op's :class:`OpStats`.
 
 Why these attribute paths: ``layers.py`` looks ``K.matmul`` etc. up on :mod:`tessera.kernels` at call time, so
-patching the package attribute reaches it; ``fused_decode.py`` and ``runner.py`` imported ``decoder_layer_kernel``
-and ``sample`` by name, so those are patched in the importing module.
+patching the package attribute reaches it; ``runner.py`` imported ``sample`` by name, so it is patched there. A
+backend adds its own kernels (a fused decoder layer) through ``profile_targets()``.
 """
 
 from __future__ import annotations
@@ -174,35 +174,6 @@ def _kv_write_cost(cache: Any, layer: int, k: torch.Tensor, v: torch.Tensor, *ar
     return 0.0, float(2 * (_nbytes(k) + _nbytes(v)))
 
 
-# positions of decoder_layer_kernel's arguments (tessera/backends/cpu/decode_layer.py)
-_X, _QKV_W, _O_W, _GATE_UP_W, _DOWN_W, _NUM_Q_HEADS, _POSITIONS, _K_ROWS = 0, 2, 4, 6, 8, 19, 20, 23
-
-
-def _fused_layer_cost(*args: Any) -> roofline.Cost:
-    """One fused decoder layer: its four weight matrices once, ``2 T params`` FLOPs, plus attention of each token
-    over ``position + 1`` cached keys (decode: one query per sequence)."""
-    tokens = args[_X].shape[0]
-    mats = [_weight_params_bytes(args[i]) for i in (_QKV_W, _O_W, _GATE_UP_W, _DOWN_W)]
-    params = sum(p for p, _ in mats)
-    kv_heads, head_dim = args[_K_ROWS].shape[1], args[_K_ROWS].shape[2]
-    elem = args[_X].itemsize
-    kv_lens = [int(p) + 1 for p in args[_POSITIONS]]
-    attn = roofline.attention_cost([1] * tokens, kv_lens, int(args[_NUM_Q_HEADS]), kv_heads, head_dim, elem)
-    acts = 4 * tokens * args[_X].shape[1] * elem  # x and h, read and written in place
-    return 2.0 * tokens * params + attn[0], float(sum(b for _, b in mats) + attn[1] + acts)
-
-
-def _weight_params_bytes(w: Any) -> tuple[int, int]:
-    """(parameters, bytes) of a fused-layer projection: a float array, or a packed tuple ``(packed [N, K/2], scales,
-    offsets, has_min, group)`` / ``(q [N, K], scales, group)`` whose bytes are the packed codes plus the per-group scales and offsets."""
-    if isinstance(w, tuple):  # packed: (codes, scales, offsets, has_min, group) or (codes, scales, group)
-        arrays = [a for a in w if hasattr(a, "nbytes") and hasattr(a, "dtype")]
-        codes = arrays[0]
-        per_byte = 2 if codes.dtype.kind == "u" else 1  # uint8 holds two int4 codes, int8 one
-        return int(codes.size) * per_byte, int(sum(a.nbytes for a in arrays))
-    return int(w.size), int(w.nbytes)
-
-
 #: (module path, attribute, op name, cost function); a "Class.method" attribute patches the class.
 TARGETS: tuple[tuple[str, str, str, CostFn], ...] = (
     ("tessera.kernels", "matmul", "matmul", _matmul_cost),
@@ -220,13 +191,23 @@ TARGETS: tuple[tuple[str, str, str, CostFn], ...] = (
     ("tessera.engine.runner", "sample", "sample", _sample_cost),
     ("tessera.attention.plan", "AttentionPlan.run", "attention", _attention_cost),
     ("tessera.kv.cache", "PagedKVCache.write", "kv_cache_write", _kv_write_cost),
-    ("tessera.backends.cpu.ops.fused_decode", "decoder_layer_kernel", "fused_decoder_layer", _fused_layer_cost),
 )
+
+
+def targets() -> tuple[tuple[str, str, str, CostFn], ...]:
+    """:data:`TARGETS`, then each usable backend's own kernels (``Backend.profile_targets()``, optional), e.g. a
+    fused decoder layer."""
+    import tessera.attention  # noqa: F401  (backends import attention first)
+    from tessera.backends import registered
+
+    extra = [t for b in registered().values() if hasattr(b, "profile_targets") and not b.available()
+             for t in b.profile_targets()]
+    return (*TARGETS, *extra)
 
 
 @contextlib.contextmanager
 def account_ops(unfused: bool = False, phases: bool = False) -> Iterator[OpAccounting]:
-    """Count every call of the :data:`TARGETS` made inside the block; restore them all on exit, even on errors.
+    """Count every call of the :func:`targets` made inside the block; restore them all on exit, even on errors.
 
     Parameters
     ----------
@@ -254,7 +235,7 @@ def account_ops(unfused: bool = False, phases: bool = False) -> Iterator[OpAccou
     acct = OpAccounting()
     roofs = _roof_hooks()
     with contextlib.ExitStack() as stack:
-        for module, attr, name, cost in TARGETS:
+        for module, attr, name, cost in targets():
             owner, leaf = _resolve(module, attr)
             stack.enter_context(_patched(owner, leaf, _wrap(getattr(owner, leaf), name, cost, acct, roofs)))
         if unfused:

@@ -327,11 +327,15 @@ def test_fused_layer_roof_follows_its_isa_argument():
     from tessera.backends.cpu import peaks
     from tessera.backends.cpu.ops._int8_simd import AVX2
 
+    from tessera.backends.cpu.kernel_args import LayerWeights
+
     packed = (np.zeros((4, 16), np.uint8), np.ones((4, 1), np.float32), np.zeros((4, 1), np.float32), True, 32)
     x = np.zeros((1, 32), np.float32)
-    assert peaks.roof_of("fused_decoder_layer", (x, x, packed, x, AVX2, 2)) == "int8"
-    assert peaks.roof_of("fused_decoder_layer", (x, x, packed, x, None, 2)) is None
-    assert peaks.roof_of("fused_decoder_layer", (x, x, x, x, AVX2, 1)) is None  # float projections only
+    packed_layer = LayerWeights(packed, x, x, x, x, x, x, x)
+    float_layer = LayerWeights(x, x, x, x, x, x, x, x)
+    assert peaks.roof_of("fused_decoder_layer", (x, x, packed_layer, x, AVX2, 2)) == "int8"
+    assert peaks.roof_of("fused_decoder_layer", (x, x, packed_layer, x, None, 2)) is None
+    assert peaks.roof_of("fused_decoder_layer", (x, x, float_layer, x, AVX2, 1)) is None  # float projections only
 
 
 # ------------------------------------------------------------------------------------------------ prefill P.V

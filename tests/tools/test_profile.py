@@ -12,7 +12,7 @@ import transformers
 from tessera import kernels as K
 from tessera.cli import main
 from tessera.models import load_model
-from tessera.profiling import TARGETS, account_ops
+from tessera.profiling import account_ops, targets
 from tessera.profiling.accounting import _resolve
 from tests.models.helpers import save_tiny
 
@@ -31,7 +31,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def _originals() -> list[object]:
-    return [getattr(*_resolve(module, attr)) for module, attr, _, _ in TARGETS]
+    return [getattr(*_resolve(module, attr)) for module, attr, _, _ in targets()]
 
 
 def test_one_matmul_is_counted_exactly() -> None:

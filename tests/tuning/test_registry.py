@@ -138,4 +138,4 @@ def test_decode_plan_reads_its_threshold():
     import numba
 
     assert plan.serial == (numba.get_num_threads() == 1)
-    assert np.asarray(plan.q_len).tolist() == [1]
+    assert np.asarray(plan.schedule.seq_q_len).tolist() == [1]

@@ -30,6 +30,7 @@ from tessera.backends.cpu.decode_kernel import (
     merge_parts_kernel,
     merge_parts_serial,
 )
+from tessera.backends.cpu.kernel_args import DecodeSchedule
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.tuning import tuned
 
@@ -175,11 +176,7 @@ class DecodePlan:
     Built once per step (mask evaluation of partial tiles included) and reused by every layer with the same spec.
     """
 
-    arrays: tuple  # positional kernel arguments after q, k, v, part_out, part_lse (see decode_attention_kernel)
-    seq_item_lo: np.ndarray
-    seq_item_hi: np.ndarray
-    q_start: np.ndarray
-    q_len: np.ndarray
+    schedule: DecodeSchedule  # what the kernels read (decode_attention_kernel, the fused decoder layer)
     num_items: int
     rows_per_item: int
     head_dim: int
@@ -218,23 +215,24 @@ class DecodePlan:
         seg_keys = np.concatenate([[0], np.cumsum(seg_arrays[1] - seg_arrays[0])])
         item_keys = seg_keys[item_hi] - seg_keys[item_lo]
         item_order, worker_start = _schedule(item_keys, numba.get_num_threads())
-        arrays = (
-            item_seq, item_lo, item_hi, q_start, q_len, kv_len, np.ascontiguousarray(layout.row_base[seqs]),
-            layout.block, *seg_arrays, np.float32(spec.softmax_scale), np.float32(softcap), slopes, item_order,
-            worker_start,
+        seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf = seg_arrays
+        schedule = DecodeSchedule(
+            item_seq=item_seq, item_seg_lo=item_lo, item_seg_hi=item_hi, seq_q_start=q_start, seq_q_len=q_len,
+            seq_kv_len=kv_len, row_base=np.ascontiguousarray(layout.row_base[seqs]), block=np.int64(layout.block),
+            seg_start=seg_start, seg_end=seg_end, seg_mask_off=seg_mask_off, seg_mask_hstride=seg_mask_hstride,
+            mask_buf=mask_buf, scale=np.float32(spec.softmax_scale), softcap=np.float32(softcap), slopes=slopes,
+            item_order=item_order, worker_start=worker_start, seq_item_lo=seq_item_lo, seq_item_hi=seq_item_hi,
         )
         # One query per sequence, one item per sequence, in token order: the kernel's per-item rows are exactly the
         # output rows, so it writes ``out`` / ``lse`` directly and no merge pass runs (batch-1 decode).
         in_order = bool((q_start == np.arange(len(seqs))).all())
         direct = len(item_seq) == len(seqs) and bool((q_len == 1).all()) and in_order
-        return DecodePlan(arrays, seq_item_lo, seq_item_hi, q_start, q_len, len(item_seq),
-                          spec.num_q_heads * int(q_len.max()), spec.head_dim, serial, direct)
+        return DecodePlan(schedule, len(item_seq), spec.num_q_heads * int(q_len.max()), spec.head_dim, serial, direct)
 
     @property
-    def layer_arrays(self) -> tuple:
-        """The plan as the fused decoder layer takes it (``decode_layer.decoder_layer_kernel``): :attr:`arrays`,
-        then each sequence's item range, which the layer needs to merge split sequences itself."""
-        return (*self.arrays, self.seq_item_lo, self.seq_item_hi)
+    def q_start(self) -> np.ndarray:
+        """int64 ``[seqs]``: each planned sequence's first query token."""
+        return self.schedule.seq_q_start
 
     def run(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Write the planned sequences' rows of ``out`` / ``lse`` (float32, contiguous, without sinks).
@@ -247,11 +245,12 @@ class DecodePlan:
         else:
             part_out = np.empty((self.num_items, self.rows_per_item, self.head_dim), dtype=np.float32)
             part_lse = np.empty((self.num_items, self.rows_per_item), dtype=np.float32)
-        args = (qn, storage_view(k_rows), storage_view(v_rows), part_out, part_lse, *self.arrays)
         # The plan assigned items to workers (``_schedule``): one prange iteration per worker.
-        (decode_attention_serial if self.serial else decode_attention_kernel)(*args)
+        kernel = decode_attention_serial if self.serial else decode_attention_kernel
+        kernel(qn, storage_view(k_rows), storage_view(v_rows), part_out, part_lse, tuple(self.schedule))
         if self.direct:
             return
-        merge_args = (part_out, part_lse, self.seq_item_lo, self.seq_item_hi, self.q_start, self.q_len, out.numpy(),
-                      lse.numpy())
-        (merge_parts_serial if self.serial else merge_parts_kernel)(*merge_args)
+        sch = self.schedule
+        merge = merge_parts_serial if self.serial else merge_parts_kernel
+        merge(part_out, part_lse, sch.seq_item_lo, sch.seq_item_hi, sch.seq_q_start, sch.seq_q_len, out.numpy(),
+              lse.numpy())

@@ -40,6 +40,7 @@ from tessera.backends.cpu.attn_microkernels import (
     qk_1x1,
     qk_4x4,
 )
+from tessera.backends.cpu.kernel_args import DecodeSchedule
 from tessera.backends.cpu.numba_math import FASTMATH, fast_exp, widen
 from tessera.backends.cpu.simd import (
     LANES,
@@ -144,39 +145,38 @@ def _write_item(item, acc, m, l, part_out, part_lse):  # pragma: no cover - comp
 
 @njit(inline="always", fastmath=FASTMATH)
 def _decode_item(
-    item, q, k, v, part_out, part_lse,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes,
+    item, q, k, v, part_out, part_lse, sch,
 ):  # pragma: no cover - compiled
-    """One work item: its sequence's queries against the item's kv segments, normalized, with its lse."""
+    """One work item (``sch``: the step's :class:`~tessera.backends.cpu.kernel_args.DecodeSchedule`): its sequence's
+    queries against the item's kv segments, normalized, with its lse."""
     hkv = k.shape[1]
     d = k.shape[2]
     hq = q.shape[1]
     group = hq // hkv
-    s = item_seq[item]
-    nq = seq_q_len[s]
-    kv_len = seq_kv_len[s]
+    s = sch.item_seq[item]
+    nq = sch.seq_q_len[s]
+    kv_len = sch.seq_kv_len[s]
     nrows = hq * nq
-    qrows = _scaled_queries(q, seq_q_start[s], nq, scale, 0)
+    qrows = _scaled_queries(q, sch.seq_q_start[s], nq, sch.scale, 0)
     acc = np.zeros((nrows, d), dtype=np.float32)
     m = np.full(nrows, -np.inf, dtype=np.float32)
     l = np.zeros(nrows, dtype=np.float32)
     sc = np.empty((nrows, CHUNK), dtype=np.float32)
     rows = np.empty(CHUNK, dtype=np.int64)
-    for seg in range(item_seg_lo[item], item_seg_hi[item]):
-        j_begin = seg_start[seg]
-        j_end = seg_end[seg]
-        moff = seg_mask_off[seg]
+    for seg in range(sch.item_seg_lo[item], sch.item_seg_hi[item]):
+        j_begin = sch.seg_start[seg]
+        j_end = sch.seg_end[seg]
+        moff = sch.seg_mask_off[seg]
         for j0 in range(j_begin, j_end, CHUNK):
             cn = min(CHUNK, j_end - j0)
             for c in range(cn):
                 j = j0 + c
-                rows[c] = row_base[s, j // block] + j % block
+                rows[c] = sch.row_base[s, j // sch.block] + j % sch.block
                 for hk in range(hkv):
-                    _score(sc, qrows, k, rows[c], hk, group, nq, c, softcap, slopes, j, kv_len)
+                    _score(sc, qrows, k, rows[c], hk, group, nq, c, sch.softcap, sch.slopes, j, kv_len)
             if moff >= 0:
-                _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
+                _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
+                            cn)
             _online_softmax(sc, m, l, acc, cn)
             for c in range(cn):
                 for hk in range(hkv):
@@ -366,10 +366,7 @@ def _row_offsets(offs, at, s, j0, count, row_base, block, row_elems):  # pragma:
 
 @njit(inline="always", fastmath=FASTMATH)
 def _decode_item_blocked(
-    item, q, k, v, part_out, part_lse,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes, next_item,
+    item, q, k, v, part_out, part_lse, sch, next_item,
 ):  # pragma: no cover - compiled
     """:func:`_decode_item` with register-blocked micro-kernels (``D % LANES == 0``; same arguments and results),
     prefetching ahead into ``next_item`` (the item its thread runs next, or -1)."""
@@ -377,36 +374,37 @@ def _decode_item_blocked(
     d = k.shape[2]
     hq = q.shape[1]
     group = hq // hkv
-    s = item_seq[item]
-    nq = seq_q_len[s]
-    kv_len = seq_kv_len[s]
+    s = sch.item_seq[item]
+    nq = sch.seq_q_len[s]
+    kv_len = sch.seq_kv_len[s]
     nrows = hq * nq
     rows_h = group * nq
-    qrows = _scaled_queries(q, seq_q_start[s], nq, scale, 3)  # + 3 padding rows: see _scores_blocked
+    qrows = _scaled_queries(q, sch.seq_q_start[s], nq, sch.scale, 3)  # + 3 padding rows: see _scores_blocked
     acc = np.zeros((nrows, d), dtype=np.float32)
     m = np.full(nrows, -np.inf, dtype=np.float32)
     l = np.zeros(nrows, dtype=np.float32)
     sc = np.empty((nrows + 3, CHUNK), dtype=np.float32)
     row_off = np.empty(CHUNK, dtype=np.int64)
     next_off = np.empty(CHUNK, dtype=np.int64)
-    post = softcap > 0.0 or slopes.shape[0] > 0
-    for seg in range(item_seg_lo[item], item_seg_hi[item]):
-        j_begin = seg_start[seg]
-        j_end = seg_end[seg]
-        moff = seg_mask_off[seg]
+    post = sch.softcap > 0.0 or sch.slopes.shape[0] > 0
+    for seg in range(sch.item_seg_lo[item], sch.item_seg_hi[item]):
+        j_begin = sch.seg_start[seg]
+        j_end = sch.seg_end[seg]
+        moff = sch.seg_mask_off[seg]
         for j0 in range(j_begin, j_end, CHUNK):
             cn = min(CHUNK, j_end - j0)
-            _row_offsets(row_off, 0, s, j0, cn, row_base, block, hkv * d)
+            _row_offsets(row_off, 0, s, j0, cn, sch.row_base, sch.block, hkv * d)
             # The keys whose K the P.V pass hints: this item's next chunk, then (at its end) the start of the
             # worker's next item, whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key
             # suffix item).
-            next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, item_seg_hi[item], seg_start, seg_end, row_base,
-                                    block, hkv * d)
+            next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, sch.item_seg_hi[item], sch.seg_start, sch.seg_end,
+                                    sch.row_base, sch.block, hkv * d)
             if next_n < CHUNK and next_item >= 0:
-                s2 = item_seq[next_item]
-                first = item_seg_lo[next_item]
-                next_n = _chunk_offsets(next_off, next_n, s2, first, seg_start[first], item_seg_hi[next_item],
-                                        seg_start, seg_end, row_base, block, hkv * d)
+                s2 = sch.item_seq[next_item]
+                first = sch.item_seg_lo[next_item]
+                next_n = _chunk_offsets(next_off, next_n, s2, first, sch.seg_start[first],
+                                        sch.item_seg_hi[next_item], sch.seg_start, sch.seg_end, sch.row_base, sch.block,
+                                        hkv * d)
             _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn)
             if post:
                 for h in range(hq):
@@ -414,13 +412,14 @@ def _decode_item_blocked(
                         r = h * nq + i
                         for c in range(cn):
                             x = sc[r, c]
-                            if softcap > 0.0:
-                                x = softcap * math.tanh(x / softcap)
-                            if slopes.shape[0] > 0:
-                                x += slopes[h] * np.float32(j0 + c - (kv_len - nq + i))
+                            if sch.softcap > 0.0:
+                                x = sch.softcap * math.tanh(x / sch.softcap)
+                            if sch.slopes.shape[0] > 0:
+                                x += sch.slopes[h] * np.float32(j0 + c - (kv_len - nq + i))
                             sc[r, c] = x
             if moff >= 0:
-                _apply_mask(sc, mask_buf, moff, seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin, cn)
+                _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
+                            cn)
             _online_softmax_blocked(sc, m, l, acc, cn)
             _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
     _write_item(item, acc, m, l, part_out, part_lse)
@@ -431,72 +430,43 @@ def _decode_item_blocked(
 # decode layer) instead of once inside each; a call per work item costs well under a microsecond.
 @njit(fastmath=FASTMATH, cache=True)
 def decode_item(
-    item, q, k, v, part_out, part_lse,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes, next_item,
+    item, q, k, v, part_out, part_lse, sch, next_item,
 ):  # pragma: no cover - compiled
     """One work item, by the register-blocked kernel when the head dim is a multiple of the vector width;
     ``next_item``: the item the same thread runs next (-1: none), whose first keys are prefetched."""
     if k.shape[2] % LANES == 0:
-        _decode_item_blocked(
-            item, q, k, v, part_out, part_lse,
-            item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, next_item,
-        )
+        _decode_item_blocked(item, q, k, v, part_out, part_lse, sch, next_item)
     else:
-        _decode_item(
-            item, q, k, v, part_out, part_lse,
-            item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
-        )
+        _decode_item(item, q, k, v, part_out, part_lse, sch)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def decode_attention_kernel(
-    q, k, v, part_out, part_lse,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes, item_order, worker_start,
-):  # pragma: no cover - compiled
+def decode_attention_kernel(q, k, v, part_out, part_lse, sch):  # pragma: no cover - compiled
     """Partial attention of every work item: worker ``w`` runs items ``item_order[worker_start[w]:worker_start[w+1]]``
     (the plan balances their key counts; Numba's ``prange`` hands each thread one contiguous block of iterations,
     also under ``parallel_chunksize``, so the balance has to be decided up front).
 
     q : f32 ``[tokens, Hq, D]``; k, v : ``[rows, Hkv, D]`` f32 / uint16 (bf16 bits) / int16 (fp16 bits).
     part_out : f32 ``[items, Hq * max_q, D]`` and part_lse : f32 ``[items, Hq * max_q]``; row ``h * q_len + i``.
-    item_* : int64 ``[items]``: the sequence and the half-open range of its segments the item covers.
-    seq_* : int64 ``[num_seqs]``; row_base : int64 ``[num_seqs, max_blocks]``; block : rows per addressing block.
-    seg_* : int64 ``[num_segments]``: kv range ``[seg_start, seg_end)``; ``seg_mask_off >= 0`` points into ``mask_buf``
-    (uint8 ``[heads, q_len, seg_len]``, head stride 0 when the mask ignores heads); -1 means every key is kept.
-    softcap : 0 disables; slopes : f32 ``[Hq]`` ALiBi slopes or empty.
+    sch : :class:`~tessera.backends.cpu.kernel_args.DecodeSchedule` (or the plain tuple of its fields): the items,
+    their kv segments and the schedule.
     """
+    sch = DecodeSchedule(*sch)  # see kernel_args: callers pass a plain tuple, which Numba types faster
+    item_order, worker_start = sch.item_order, sch.worker_start
     for w in prange(worker_start.shape[0] - 1):
         for i in range(worker_start[w], worker_start[w + 1]):
-            decode_item(
-                item_order[i], q, k, v, part_out, part_lse,
-                item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-                seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
-                item_order[i + 1] if i + 1 < worker_start[w + 1] else -1,
-            )
+            decode_item(item_order[i], q, k, v, part_out, part_lse, sch,
+                        item_order[i + 1] if i + 1 < worker_start[w + 1] else -1)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def decode_attention_serial(
-    q, k, v, part_out, part_lse,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf,
-    scale, softcap, slopes, item_order, worker_start,
-):  # pragma: no cover - compiled
+def decode_attention_serial(q, k, v, part_out, part_lse, sch):  # pragma: no cover - compiled
     """:func:`decode_attention_kernel` on the calling thread (in item order: the schedule only matters to the pool): for small steps (a short context at batch 1), where
     waking the pool costs more than the work (measured ~60 us per call on this machine)."""
-    for item in range(item_seq.shape[0]):
-        decode_item(
-            item, q, k, v, part_out, part_lse,
-            item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-            seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
-            item + 1 if item + 1 < item_seq.shape[0] else -1,
-        )
+    sch = DecodeSchedule(*sch)
+    n_items = sch.item_seq.shape[0]
+    for item in range(n_items):
+        decode_item(item, q, k, v, part_out, part_lse, sch, item + 1 if item + 1 < n_items else -1)
 
 
 @njit(inline="always", fastmath=FASTMATH)

@@ -35,6 +35,14 @@ from numba.core.extending import overload
 
 from tessera.backends.cpu import atomics
 from tessera.backends.cpu.decode_kernel import _merge_sequence, decode_item
+from tessera.backends.cpu.kernel_args import (
+    DecodeSchedule,
+    FlatLayerWeights,
+    LayerBuffers,
+    LayerConfig,
+    LayerNorms,
+    LayerWeights,
+)
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
 from tessera.backends.cpu.ops._int8_simd import IsaTokenType
@@ -301,29 +309,26 @@ def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, si
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, plan):  # pragma: no cover
+def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, schedule):  # pragma: no cover
     """Claim the plan's work items (a whole sequence, or one part of a long one split over the workers) until none
     is left, each into its own rows of ``part_out [items, Hq, D]`` / ``part_lse [items, Hq]``; then wait for the
     rest."""
-    (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end,
-     seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi) = plan
-    n_items = item_seq.shape[0]
+    n_items = schedule.item_seq.shape[0]
     while True:
         item = atomics.fetch_add(sync, 2 * phase, 1)
         if item >= n_items:
             break
-        decode_item(item, qf, k_rows, v_rows, part_out, part_lse, item_seq, item_seg_lo, item_seg_hi, seq_q_start,
-                    seq_q_len, seq_kv_len, row_base, block, seg_start, seg_end, seg_mask_off, seg_mask_hstride,
-                    mask_buf, scale, softcap, slopes, item + 1 if item + 1 < n_items else -1)
+        decode_item(item, qf, k_rows, v_rows, part_out, part_lse, schedule, item + 1 if item + 1 < n_items else -1)
         atomics.fetch_add(sync, 2 * phase + 1, 1)
     _wait(sync, phase, n_items)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, plan, att_s, o_w, isa, o_in):  # pragma: no cover
+def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, schedule, att_s, o_w, isa, o_in):  # pragma: no cover
     """Claim sequences until none is left: merge a split sequence's parts by log-sum-exp into ``att [T, Hq, D]``,
     round its token's row to storage into ``att_s [T, Hq D]`` and prepare that row as the o projection's input."""
-    seq_q_start, seq_q_len, seq_item_lo, seq_item_hi = plan[3], plan[4], plan[16], plan[17]
+    seq_q_start, seq_q_len = schedule.seq_q_start, schedule.seq_q_len
+    seq_item_lo, seq_item_hi = schedule.seq_item_lo, schedule.seq_item_hi
     n_seqs = seq_q_len.shape[0]
     hq, d = att.shape[1], att.shape[2]
     while True:
@@ -345,14 +350,23 @@ def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, plan, att_s
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _layer_worker(x, h, weights, norms, w_offset, eps, act_kind, positions, cos, sin, k_rows, v_rows, slots, plan,
-                  isa, bufs, sync, claim_rows):  # pragma: no cover - compiled
+def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
+                  claim_rows):  # pragma: no cover - compiled
     """One worker's share of the layer (see the module docstring); every worker runs this with the same arguments.
-    ``claim_rows``: GEMV output rows per claim (a single worker claims each GEMV whole)."""
-    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b = weights
-    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w = norms
-    (qkv_in, qkv_acc, qkv, o_in, o_acc, a_out, gu_in, gu_acc, gu, act, down_in, down_acc, m, att_s, h2, qf,
-     part_out, part_lse, att, lse) = bufs
+    ``bufs``: :class:`LayerBuffers`; ``claim_rows``: GEMV output rows per claim (a single worker claims each GEMV
+    whole)."""
+    qkv_w, qkv_b, o_w, o_b = weights.qkv_w, weights.qkv_b, weights.o_w, weights.o_b
+    gate_up_w, gate_up_b, down_w, down_b = weights.gate_up_w, weights.gate_up_b, weights.down_w, weights.down_b
+    q_norm_w, k_norm_w, post_attn_w = norms.q_norm_w, norms.k_norm_w, norms.post_attn_w
+    mlp_norm_w, post_mlp_w, next_norm_w = norms.mlp_norm_w, norms.post_mlp_w, norms.next_norm_w
+    w_offset, eps, act_kind = config.w_offset, config.eps, config.act_kind
+    qkv_in = (bufs.qkv_in0, bufs.qkv_in1, bufs.qkv_in2)
+    o_in = (bufs.o_in0, bufs.o_in1, bufs.o_in2)
+    gu_in = (bufs.gu_in0, bufs.gu_in1, bufs.gu_in2)
+    down_in = (bufs.down_in0, bufs.down_in1, bufs.down_in2)
+    qkv_acc, qkv, o_acc, a_out, gu_acc, gu = bufs.qkv_acc, bufs.qkv, bufs.o_acc, bufs.a_out, bufs.gu_acc, bufs.gu
+    act, down_acc, m, att_s, h2, qf = bufs.act, bufs.down_acc, bufs.m, bufs.att_s, bufs.h2, bufs.qf
+    part_out, part_lse, att, lse, sync = bufs.part_out, bufs.part_lse, bufs.att, bufs.lse, bufs.sync
     t_count = x.shape[0]
     # --- qkv projection
     if _claim_serial(sync, 0):
@@ -366,8 +380,8 @@ def _layer_worker(x, h, weights, norms, w_offset, eps, act_kind, positions, cos,
         _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, qf)
         _finish_serial(sync, 2)
     _wait(sync, 2, 1)
-    _attention_items_phase(sync, 3, qf, k_rows, v_rows, part_out, part_lse, plan)
-    _attention_rows_phase(sync, 4, part_out, part_lse, att, lse, plan, att_s, o_w, isa, o_in)
+    _attention_items_phase(sync, 3, qf, k_rows, v_rows, part_out, part_lse, schedule)
+    _attention_rows_phase(sync, 4, part_out, part_lse, att, lse, schedule, att_s, o_w, isa, o_in)
     _rows_phase(sync, 5, o_in, o_w, o_b, o_acc, a_out, isa, claim_rows)
     # --- post-attention norm, residual + MLP norm, gate/up projection
     if _claim_serial(sync, 6):
@@ -438,47 +452,46 @@ def _unflat_overload(a, b, c, d, e):
     return lambda a, b, c, d, e: (a, b, c, d, e)
 
 
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _layer_flat(
-    x, h, qw0, qw1, qw2, qw3, qw4, qkv_b, ow0, ow1, ow2, ow3, ow4, o_b, gw0, gw1, gw2, gw3, gw4, gate_up_b,
-    dw0, dw1, dw2, dw3, dw4, down_b, q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
-    w_offset, eps, act_kind, positions, cos, sin, k_rows, v_rows, slots,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi,
-    isa, qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-    di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync, claim_rows,
-):  # pragma: no cover - compiled
-    """:func:`_layer_worker` with every tuple taken apart (see :func:`_flat`), for the parallel region, which can
-    only pass plain values; it rebuilds the tuples with the types the serial kernel passes, so both share one
-    compiled ``_layer_worker``."""
-    _layer_worker(
-        x, h, (_unflat(qw0, qw1, qw2, qw3, qw4), qkv_b, _unflat(ow0, ow1, ow2, ow3, ow4), o_b,
-               _unflat(gw0, gw1, gw2, gw3, gw4), gate_up_b, _unflat(dw0, dw1, dw2, dw3, dw4), down_b),
-        (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), w_offset, eps, act_kind,
-        positions, cos, sin, k_rows, v_rows, slots,
-        (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
-         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi),
-        isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
-              (di0, di1, di2), down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse), sync, claim_rows)
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _flat_weights(w):  # pragma: no cover - compiled
+    """:class:`LayerWeights` as :class:`FlatLayerWeights`, plain values that can enter a parallel region."""
+    q0, q1, q2, q3, q4 = _flat(w.qkv_w)
+    o0, o1, o2, o3, o4 = _flat(w.o_w)
+    g0, g1, g2, g3, g4 = _flat(w.gate_up_w)
+    d0, d1, d2, d3, d4 = _flat(w.down_w)
+    return FlatLayerWeights(q0, q1, q2, q3, q4, w.qkv_b, o0, o1, o2, o3, o4, w.o_b, g0, g1, g2, g3, g4, w.gate_up_b,
+                            d0, d1, d2, d3, d4, w.down_b)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, n_items, isa):  # pragma: no cover - compiled
-    """The layer's intermediates, the prepared inputs of its four projections, the attention items' partial
-    results and the zeroed phase counters."""
+def _unflat_weights(f):  # pragma: no cover - compiled
+    """The :class:`LayerWeights` :func:`_flat_weights` took apart, with the types the caller built it with."""
+    return LayerWeights(_unflat(f.qkv0, f.qkv1, f.qkv2, f.qkv3, f.qkv4), f.qkv_b,
+                        _unflat(f.o0, f.o1, f.o2, f.o3, f.o4), f.o_b,
+                        _unflat(f.gate_up0, f.gate_up1, f.gate_up2, f.gate_up3, f.gate_up4), f.gate_up_b,
+                        _unflat(f.down0, f.down1, f.down2, f.down3, f.down4), f.down_b)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
+                claim_rows):  # pragma: no cover - compiled
+    """:func:`_layer_worker` with the weights as :class:`FlatLayerWeights`, for the parallel region; it rebuilds the
+    :class:`LayerWeights` with the types the serial kernel passes, so both share one compiled ``_layer_worker``."""
+    _layer_worker(x, h, _unflat_weights(flat), norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule,
+                  isa, bufs, claim_rows)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _buffers(x, h, weights, hq, d, n_items, isa):  # pragma: no cover - compiled
+    """The layer's :class:`LayerBuffers`: intermediates, the prepared inputs of its four projections, the attention
+    items' partial results and the zeroed phase counters."""
+    qkv_w, o_w, gate_up_w, down_w = weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w
     t_count = x.shape[0]
     n_qkv, n_o, n_gu, n_down = _n_out(qkv_w), _n_out(o_w), _n_out(gate_up_w), _n_out(down_w)
     att_s = np.empty((t_count, hq * d), dtype=x.dtype)
     a_out = np.empty((t_count, n_o), dtype=x.dtype)
     h2 = np.empty_like(x)
     act = np.empty((t_count, n_gu // 2), dtype=x.dtype)
-    qkv_acc, qkv = np.empty((t_count, n_qkv), dtype=np.float32), np.empty((t_count, n_qkv), dtype=x.dtype)
-    o_acc = np.empty((t_count, n_o), dtype=np.float32)
-    gu_acc, gu = np.empty((t_count, n_gu), dtype=np.float32), np.empty((t_count, n_gu), dtype=x.dtype)
-    down_acc, m = np.empty((t_count, n_down), dtype=np.float32), np.empty((t_count, n_down), dtype=x.dtype)
-    qf = np.empty((t_count, hq, d), dtype=np.float32)
-    part_out, part_lse = np.empty((n_items, hq, d), dtype=np.float32), np.empty((n_items, hq), dtype=np.float32)
-    att, lse = np.empty((t_count, hq, d), dtype=np.float32), np.empty((t_count, hq), dtype=np.float32)
     qi0, qi1, qi2 = _new_input(h, qkv_w, isa)
     oi0, oi1, oi2 = _new_input(att_s, o_w, isa)
     gi0, gi1, gi2 = _new_input(h2, gate_up_w, isa)
@@ -486,98 +499,90 @@ def _buffers(x, h, qkv_w, o_w, gate_up_w, down_w, hq, d, n_items, isa):  # pragm
     sync = np.empty(2 * _PHASES, dtype=np.int64)
     for i in range(2 * _PHASES):  # not np.zeros: in a parallel=True function that becomes a parallel fill, which
         sync[i] = 0  # wakes the thread pool on every call
-    return (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-            di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync)
+    return LayerBuffers(
+        qkv_in0=qi0, qkv_in1=qi1, qkv_in2=qi2,
+        qkv_acc=np.empty((t_count, n_qkv), dtype=np.float32), qkv=np.empty((t_count, n_qkv), dtype=x.dtype),
+        o_in0=oi0, o_in1=oi1, o_in2=oi2, o_acc=np.empty((t_count, n_o), dtype=np.float32), a_out=a_out,
+        gu_in0=gi0, gu_in1=gi1, gu_in2=gi2,
+        gu_acc=np.empty((t_count, n_gu), dtype=np.float32), gu=np.empty((t_count, n_gu), dtype=x.dtype), act=act,
+        down_in0=di0, down_in1=di1, down_in2=di2,
+        down_acc=np.empty((t_count, n_down), dtype=np.float32), m=np.empty((t_count, n_down), dtype=x.dtype),
+        att_s=att_s, h2=h2, qf=np.empty((t_count, hq, d), dtype=np.float32),
+        part_out=np.empty((n_items, hq, d), dtype=np.float32), part_lse=np.empty((n_items, hq), dtype=np.float32),
+        att=np.empty((t_count, hq, d), dtype=np.float32), lse=np.empty((t_count, hq), dtype=np.float32),
+        sync=sync,
+    )
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _records(weights, norms, config, schedule):  # pragma: no cover - compiled
+    """The named records from the plain tuples :func:`decoder_layer_kernel` passes: Numba's dispatcher types a
+    plain tuple in C but a named one in Python, ~1.5 us more per record and call (30 layers a token)."""
+    return LayerWeights(*weights), LayerNorms(*norms), LayerConfig(*config), DecodeSchedule(*schedule)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _serial_layer(
-    x, h,
-    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
-    w_offset, eps, act_kind, num_q_heads,
-    positions, cos, sin,
-    k_rows, v_rows, slots,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
-    seq_item_lo, seq_item_hi, isa,
-):  # pragma: no cover - compiled
+def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule,
+                  isa):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` on the calling thread (each GEMV claimed whole)."""
-    (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-     di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync) = _buffers(
-        x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads, k_rows.shape[2], item_seq.shape[0], isa)
+    weights, norms, config, schedule = _records(weights, norms, config, schedule)
+    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0], isa)
     # Straight to _layer_worker (one compiled level fewer than through _layer_flat: each level re-optimizes the code
     # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
     # _layer_worker a second time for the parallel kernel's call (~30 s).
-    _layer_worker(
-        x, h, (qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b),
-        (q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w), np.float32(w_offset),
-        np.float32(eps), act_kind, positions, cos, sin, k_rows, v_rows, slots,
-        (item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block, seg_start,
-         seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, seq_item_lo, seq_item_hi),
-        isa, ((qi0, qi1, qi2), qkv_acc, qkv, (oi0, oi1, oi2), o_acc, a_out, (gi0, gi1, gi2), gu_acc, gu, act,
-              (di0, di1, di2), down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse), sync, np.int64(1 << 30))
+    _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
+                  np.int64(1 << 30))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _parallel_layer(
-    x, h,
-    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b,
-    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w,
-    w_offset, eps, act_kind, num_q_heads,
-    positions, cos, sin,
-    k_rows, v_rows, slots,
-    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes, item_order, worker_start,
-    seq_item_lo, seq_item_hi, isa, n_workers,
-):  # pragma: no cover - compiled
+def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa,
+                    n_workers):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` as ``n_workers`` workers in one parallel region."""
-    (qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-     di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync) = _buffers(
-        x, h, qkv_w, o_w, gate_up_w, down_w, num_q_heads, k_rows.shape[2], item_seq.shape[0], isa)
-    qw0, qw1, qw2, qw3, qw4 = _flat(qkv_w)
-    ow0, ow1, ow2, ow3, ow4 = _flat(o_w)
-    gw0, gw1, gw2, gw3, gw4 = _flat(gate_up_w)
-    dw0, dw1, dw2, dw3, dw4 = _flat(down_w)
-    w_offset32 = np.float32(w_offset)
-    eps32 = np.float32(eps)
+    # Built by calls to the record classes here, not through _records: a named tuple entering a parallel region must
+    # come from such a call (or be an argument), where Numba's parfor lowering finds its class.
+    weights = LayerWeights(*weights)
+    norms = LayerNorms(*norms)
+    config = LayerConfig(*config)
+    schedule = DecodeSchedule(*schedule)
+    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0], isa)
+    flat = _flat_weights(weights)
     claim_rows = np.int64(CLAIM_ROWS)  # see _serial_layer
     for _ in prange(n_workers):
-        _layer_flat(x, h, qw0, qw1, qw2, qw3, qw4, qkv_b, ow0, ow1, ow2, ow3, ow4, o_b, gw0, gw1, gw2, gw3, gw4,
-                    gate_up_b, dw0, dw1, dw2, dw3, dw4, down_b,
-                    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w, w_offset32, eps32, act_kind,
-                    positions, cos, sin, k_rows, v_rows, slots,
-                    item_seq, item_seg_lo, item_seg_hi, seq_q_start, seq_q_len, seq_kv_len, row_base, block,
-                    seg_start, seg_end, seg_mask_off, seg_mask_hstride, mask_buf, scale, softcap, slopes,
-                    seq_item_lo, seq_item_hi,
-                    isa, qi0, qi1, qi2, qkv_acc, qkv, oi0, oi1, oi2, o_acc, a_out, gi0, gi1, gi2, gu_acc, gu, act,
-                    di0, di1, di2, down_acc, m, att_s, h2, qf, part_out, part_lse, att, lse, sync, claim_rows)
+        _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
+                    claim_rows)
 
 
-def decoder_layer_kernel(*args) -> None:
+def decoder_layer_kernel(
+    x: np.ndarray, h: np.ndarray, weights: LayerWeights, norms: LayerNorms, config: LayerConfig,
+    positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
+    slots: np.ndarray, schedule: DecodeSchedule, isa: object, n_workers: int,
+) -> None:
     """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
 
-    Arguments, in order:
-
+    Parameters
+    ----------
     x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
-    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``next_norm_w``).
-    qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b : storage weights ``[N, K]`` (or packed weight
-    tuples for the four projections, see ``_project_rows``) / biases ``[N]``; an empty array means absent.
-    q_norm_w, k_norm_w, post_attn_w, mlp_norm_w, post_mlp_w, next_norm_w : norm weights, empty when absent.
-    w_offset : 1.0 for Gemma's ``(1 + w)`` norms, else 0.0. eps. act_kind : 0 SiLU, 1 GELU, 2 GELU (tanh).
-    num_q_heads. positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
-    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``; slots : int64 ``[T]``, where the new
-    K/V go. Then :attr:`tessera.backends.cpu.decode.DecodePlan.layer_arrays` of a plan with one query per sequence,
-    sequences in token order (split or not: the workers claim its items, then merge each sequence's parts).
+    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``norms.next_norm_w``).
+    weights : the layer's projections and biases (:class:`~tessera.backends.cpu.kernel_args.LayerWeights`).
+    norms : its norm weights (:class:`~tessera.backends.cpu.kernel_args.LayerNorms`).
+    config : its scalars (:class:`~tessera.backends.cpu.kernel_args.LayerConfig`, built by ``LayerConfig.of``).
+    positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
+    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``.
+    slots : int64 ``[T]``, where the new K/V go.
+    schedule : :attr:`tessera.backends.cpu.decode.DecodePlan.schedule` of a plan with one query per sequence,
+        sequences in token order (split or not: the workers claim its items, then merge each sequence's parts).
     isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
-    portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
-    ``_typeof_token`` for what a token inside a tuple costs at every call.
+        portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
+        ``_typeof_token`` for what a token inside a tuple costs at every call.
     n_workers : 1 runs the layer on the calling thread; more runs it in one parallel region of that many workers.
 
     Two compiled kernels behind one entry point: a model that only ever runs serial steps never compiles the
     parallel region (~53 s cold on a 2-core Zen 3, 44 s of it its own; ``benchmarks/compile_times.py``).
     """
-    if args[-1] <= 1:
-        _serial_layer(*args[:-1])
+    records = tuple(weights), tuple(norms), tuple(config), tuple(schedule)  # see _records
+    if n_workers <= 1:
+        _serial_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, slots,
+                      records[3], isa)
     else:
-        _parallel_layer(*args)
+        _parallel_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, slots,
+                        records[3], isa, n_workers)

@@ -50,14 +50,17 @@ def roof_of(op: str, args: tuple) -> str | None:
     matmul (or packed lm_head) the int8-activation kernels take, and for a fused decoder layer whose projections
     they run (packed weight tuples, and an ISA token among its arguments)."""
     from tessera.backends.cpu.ops import _qdot
+    from tessera.backends.cpu.kernel_args import LayerWeights
     from tessera.backends.cpu.ops._int8_simd import IsaToken
     from tessera.kernels.quant import QuantizedWeight
 
     if op in ("qmatmul", "lm_head") and len(args) > 1 and isinstance(args[1], QuantizedWeight):
         if _qdot.chosen_token() is not None and _qdot.unsupported(args[1]) is None:
             return "int8"
-    if op == "fused_decoder_layer" and any(isinstance(a, IsaToken) for a in args) and any(isinstance(a, tuple)
-                                                                                          for a in args):
-        return "int8"
+    if op == "fused_decoder_layer" and any(isinstance(a, IsaToken) for a in args):
+        weights = next((a for a in args if isinstance(a, LayerWeights)), None)
+        if weights is not None and any(isinstance(w, tuple) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w,
+                                                                       weights.down_w)):
+            return "int8"
     return None
 

@@ -25,6 +25,7 @@ from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import decode
 from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
+from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeights
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.bench.harness import copies_for, rotating
 from tessera.tuning.fingerprint import fingerprint
@@ -71,20 +72,24 @@ def _inputs(work: int) -> tuple[Callable[[], tuple], tuple[Any, ...], tuple[Any,
     empty = np.zeros(0, dtype=np.float32)
     x = torch.randn(1, hidden, generator=gen).numpy()
     head = (x, x / np.sqrt(np.mean(x * x)))
-    tail = (empty, empty, empty, ones, empty, ones, 0.0, 1e-5, 0, hq, np.array([KEYS - 1]), np.cos(angles),
-            np.sin(angles), k_rows, v_rows, np.array([KEYS - 1]), *plan.layer_arrays)
+    norms = LayerNorms(q_norm_w=empty, k_norm_w=empty, post_attn_w=empty, mlp_norm_w=ones, post_mlp_w=empty,
+                       next_norm_w=ones)
+    tail = (norms, LayerConfig.of(0.0, 1e-5, 0, hq), np.array([KEYS - 1]), np.cos(angles), np.sin(angles), k_rows,
+            v_rows, np.array([KEYS - 1]), plan.schedule)
     return rotating(layers), head, tail
 
 
 def _path(parallel: bool) -> Callable[[int, str | None], float]:
     def timed(work: int, shape_class: str | None) -> float:
         next_layer, (x0, h0), tail = _inputs(work)
-        (qkv, o, gate_up, down), empty = next_layer(), tail[0]
+        (qkv, o, gate_up, down), empty = next_layer(), np.zeros(0, dtype=np.float32)
         x, h = x0.copy(), h0.copy()  # the kernel updates both in place
         isa = qdot.chosen_token()
         workers = numba.get_num_threads() if parallel else 1
         start = time.perf_counter()
-        decoder_layer_kernel(x, h, qkv, empty, o, empty, gate_up, empty, down, empty, *tail, isa, workers)
+        weights = LayerWeights(qkv_w=qkv, qkv_b=empty, o_w=o, o_b=empty, gate_up_w=gate_up, gate_up_b=empty,
+                               down_w=down, down_b=empty)
+        decoder_layer_kernel(x, h, weights, *tail, isa, workers)
         return time.perf_counter() - start
 
     return timed

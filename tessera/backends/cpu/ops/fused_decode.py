@@ -24,6 +24,7 @@ from tessera import kernels as K
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.backend import CpuPlan
 from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
+from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeights
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.ops.quant import SMALL_M
@@ -114,14 +115,20 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
             p = f"layers.{i}"
             following = f"layers.{i + 1}.attn_norm" if i + 1 < config.num_layers else "final_norm"
             views.append((
-                get(f"{p}.qkv.weight"), get(f"{p}.qkv.bias"), get(f"{p}.o.weight"), get(f"{p}.o.bias"),
-                get(f"{p}.gate_up.weight"), get(f"{p}.gate_up.bias"), get(f"{p}.down.weight"), get(f"{p}.down.bias"),
-                get(f"{p}.q_norm.weight") if config.qk_norm else absent,
-                get(f"{p}.k_norm.weight") if config.qk_norm else absent,
-                get(f"{p}.post_attn_norm.weight") if config.post_norms else absent,
-                get(f"{p}.mlp_norm.weight"),
-                get(f"{p}.post_mlp_norm.weight") if config.post_norms else absent,
-                get(f"{following}.weight"),
+                LayerWeights(
+                    qkv_w=get(f"{p}.qkv.weight"), qkv_b=get(f"{p}.qkv.bias"),
+                    o_w=get(f"{p}.o.weight"), o_b=get(f"{p}.o.bias"),
+                    gate_up_w=get(f"{p}.gate_up.weight"), gate_up_b=get(f"{p}.gate_up.bias"),
+                    down_w=get(f"{p}.down.weight"), down_b=get(f"{p}.down.bias"),
+                ),
+                LayerNorms(
+                    q_norm_w=get(f"{p}.q_norm.weight") if config.qk_norm else absent,
+                    k_norm_w=get(f"{p}.k_norm.weight") if config.qk_norm else absent,
+                    post_attn_w=get(f"{p}.post_attn_norm.weight") if config.post_norms else absent,
+                    mlp_norm_w=get(f"{p}.mlp_norm.weight"),
+                    post_mlp_w=get(f"{p}.post_mlp_norm.weight") if config.post_norms else absent,
+                    next_norm_w=get(f"{following}.weight"),
+                ),
             ))
         largest = max(int(t.shape[0]) * int(t.shape[1]) for name, t in w.items()
                       if name.startswith("layers.") and name.endswith(".weight")
@@ -182,7 +189,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
             if (decode is None or state.cascades or state.prefill_seqs
                     or plan_for(i).spec.sinks is not None or not np.array_equal(decode.q_start, in_order)):
                 return None  # shared prefixes use the cascade; sinks need the lse pass of the per-op path
-            states[key] = decode.layer_arrays
+            states[key] = decode.schedule
             attention_parallel |= not decode.serial
     # The attention runs inside the layer's region: a plan the planner would spread over the cores (a long context,
     # a big batch) makes the layer parallel even when its GEMVs alone would not.
@@ -197,13 +204,16 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     h, x = h.contiguous(), x.contiguous().clone()  # both are updated in place, layer by layer
     xs, hs = storage_view(x), storage_view(h)
     pos = positions.to(torch.int64).numpy()
-    common = (1.0 if config.norm == "rms_gemma" else 0.0, config.norm_eps, _ACT_KINDS[config.activation],
-              config.num_heads, pos)
+    layer_config = LayerConfig.of(1.0 if config.norm == "rms_gemma" else 0.0, config.norm_eps,
+                                  _ACT_KINDS[config.activation], config.num_heads)
     tables = {name: (rope.cos.numpy(), rope.sin.numpy()) for name, rope in ropes.items()}
     kv_rows = _kv_rows(cache, config)
     for i in range(config.num_layers):
-        decoder_layer_kernel(xs, hs, *views[i], *common, *tables[config.layer_rope[i]], *kv_rows[i], slots,
-                             *states[config.layer_windows[i]], isa, n_workers)
+        weights, norms = views[i]
+        cos, sin = tables[config.layer_rope[i]]
+        k_rows, v_rows = kv_rows[i]
+        decoder_layer_kernel(xs, hs, weights, norms, layer_config, pos, cos, sin, k_rows, v_rows, slots,
+                             states[config.layer_windows[i]], isa, n_workers)
     return h
 
 

@@ -1,0 +1,46 @@
+"""What ``tessera profile`` counts for the cpu backend's own kernels (the generic ops are counted in
+:mod:`tessera.profiling.accounting`, which asks each backend for :meth:`CpuBackend.profile_targets`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tessera.backends.cpu.kernel_args import LayerConfig, LayerWeights
+from tessera.hw import roofline
+
+
+def fused_layer_cost(x: np.ndarray, h: np.ndarray, weights: LayerWeights, norms: Any, config: LayerConfig,
+                     positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray,
+                     *rest: Any) -> roofline.Cost:
+    """One fused decoder layer (``decode_layer.decoder_layer_kernel``): its four weight matrices once,
+    ``2 T params`` FLOPs, plus attention of each token over ``position + 1`` cached keys (one query per sequence)."""
+    tokens = x.shape[0]
+    mats = [projection_params_bytes(w) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w)]
+    params = sum(p for p, _ in mats)
+    kv_heads, head_dim = k_rows.shape[1], k_rows.shape[2]
+    elem = x.itemsize
+    kv_lens = [int(p) + 1 for p in positions]
+    attn = roofline.attention_cost([1] * tokens, kv_lens, int(config.num_q_heads), kv_heads, head_dim, elem)
+    acts = 4 * tokens * x.shape[1] * elem  # x and h, read and written in place
+    return 2.0 * tokens * params + attn[0], float(sum(b for _, b in mats) + attn[1] + acts)
+
+
+def projection_params_bytes(w: Any) -> tuple[int, int]:
+    """(parameters, bytes) of a fused-layer projection: a float array, or a packed tuple ``(codes [N, K/2], scales,
+    offsets, has_min, group)`` / ``(codes [N, K], scales, group)`` whose bytes are the codes plus the per-group scales
+    and offsets."""
+    if isinstance(w, tuple):
+        arrays = [a for a in w if hasattr(a, "nbytes") and hasattr(a, "dtype")]
+        codes = arrays[0]
+        per_byte = 2 if codes.dtype.kind == "u" else 1  # uint8 holds two int4 codes, int8 one
+        return int(codes.size) * per_byte, int(sum(a.nbytes for a in arrays))
+    return int(w.size), int(w.nbytes)
+
+
+#: (module path, attribute, op name, cost function): ``fused_decode`` imported the kernel by name, so it is patched
+#: there
+PROFILE_TARGETS = (
+    ("tessera.backends.cpu.ops.fused_decode", "decoder_layer_kernel", "fused_decoder_layer", fused_layer_cost),
+)
