@@ -31,6 +31,8 @@ ENTRY_POINT_GROUP = "tessera.backends"
 _ADDED: dict[str, str | Backend] = {}
 _LOADED: dict[str, Backend] = {}
 _LOCK = threading.RLock()
+#: bumped by every register / unregister, so caches keyed by backend name (the kernel op tables) know to drop
+_GENERATION = 0
 
 
 def register(name: str, target: str | Backend, *, replace: bool = False) -> None:
@@ -48,6 +50,7 @@ def register(name: str, target: str | Backend, *, replace: bool = False) -> None
             raise ValueError(f"register: backend {name!r} already exists; pass replace=True to swap it")
         _ADDED[name] = target
         _LOADED.pop(name, None)
+        _bump()
 
 
 def unregister(name: str) -> None:
@@ -55,6 +58,17 @@ def unregister(name: str) -> None:
     with _LOCK:
         _ADDED.pop(name, None)
         _LOADED.pop(name, None)
+        _bump()
+
+
+def generation() -> int:
+    """A counter that changes whenever the set of backends changes (:func:`register`, :func:`unregister`)."""
+    return _GENERATION
+
+
+def _bump() -> None:
+    global _GENERATION
+    _GENERATION += 1
 
 
 def names() -> list[str]:
@@ -117,6 +131,17 @@ def select(request: AttentionRequest, name: str = "auto") -> Backend:
     )
 
 
+def parse_device(device: str | torch.device, owner: str = "") -> torch.device:
+    """``device`` as a ``torch.device``; ValueError naming ``owner`` (the API that took it) when torch cannot parse
+    it."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        where = f"{owner}: " if owner else ""
+        raise ValueError(f"{where}device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} "
+                         f"({err})") from None
+
+
 def resolve_device(backend: str, device: str | torch.device | None = None) -> torch.device:
     """The device a model, its KV cache and every tensor the engine allocates live on.
 
@@ -132,12 +157,7 @@ def resolve_device(backend: str, device: str | torch.device | None = None) -> to
     RuntimeError : a CUDA device on a machine where ``torch.cuda.is_available()`` is False.
     """
     types = () if backend == "auto" else device_types(get(backend))
-    if device is None:
-        device = types[0] if types else "cpu"
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} ({err})") from None
+    resolved = parse_device(types[0] if device is None and types else "cpu" if device is None else device)
     if types and resolved.type not in types:
         raise ValueError(f"backend {backend!r} runs on {' or '.join(types)} tensors, got device {str(resolved)!r}; "
                          f"pass device={types[0]!r}, or backend='auto' to let each op follow the tensors' device")

@@ -110,3 +110,18 @@ def git_commit() -> str | None:
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def host_backend() -> str:
+    """The backend the suites time as "ours" on host tensors: ``TESSERA_BENCH_BACKEND`` when set, else the
+    highest-priority usable backend that runs CPU tensors (what ``backend="auto"`` picks for them)."""
+    from tessera.backends import registry
+
+    chosen = os.environ.get("TESSERA_BENCH_BACKEND")
+    if chosen:
+        registry.get(chosen)  # unknown names raise here, with the list of known ones
+        return chosen
+    first = registry.by_priority("cpu")
+    if not first:
+        raise RuntimeError("no usable backend runs CPU tensors; `tessera info` says why each is unusable")
+    return first[0].name

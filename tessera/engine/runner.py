@@ -24,12 +24,6 @@ class Runner:
     def __init__(self, model: Model, cache: PagedKVCache, block_manager: BlockManager) -> None:
         self.model, self.cache, self.block_manager = model, cache, block_manager
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: page ``src`` -> ``dst`` in every layer's K and V, in the order given."""
-        for src, dst in copies:
-            for pages in (*self.cache.k_pages, *self.cache.v_pages):
-                pages[dst].copy_(pages[src])
-
     def build_batch(self, out: SchedulerOutput) -> StepBatch:
         """The step's new tokens, positions' slots and page tables, sequence by sequence."""
         bm = self.block_manager
@@ -56,7 +50,7 @@ class Runner:
         0.0 unless the request asked for logprobs."""
         if not out.scheduled:
             return {}
-        self.copy_pages(out.page_copies)
+        self.cache.copy_pages(out.page_copies)
         logits = forward_step(self.model, self.cache, self.build_batch(out))
         rows, seqs = [], []
         for r, item in enumerate(out.scheduled):

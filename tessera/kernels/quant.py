@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,8 +100,8 @@ class QuantizedWeight:
         if self.data.device == device:
             return self
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return QuantizedWeight(self.fmt, self.shape, self.group_size, move(self.data), move(self.scales),
-                               move(self.zeros), move(self.mins))
+        return dataclasses.replace(self, data=move(self.data), scales=move(self.scales), zeros=move(self.zeros),
+                                   mins=move(self.mins))
 
     @property
     def nbytes(self) -> int:

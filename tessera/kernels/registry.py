@@ -24,10 +24,22 @@ from tessera.backends import registry as backends
 
 _TABLES: dict[str, dict[str, Callable]] = {}
 _LOCK = threading.Lock()
+#: the backends registry's generation the cached tables and answers belong to
+_SEEN = [backends.generation()]
+
+
+def _drop_if_stale() -> None:
+    """Forget cached tables and answers once a backend was registered, replaced or removed."""
+    if _SEEN[0] != backends.generation():
+        with _LOCK:
+            _TABLES.clear()
+            _RESOLVED.clear()
+            _SEEN[0] = backends.generation()
 
 
 def table(backend: str) -> dict[str, Callable]:
     """``op -> function`` of one backend, merged from its ``ops`` family modules (empty when it has none)."""
+    _drop_if_stale()
     with _LOCK:
         if backend not in _TABLES:
             merged: dict[str, Callable] = {}
@@ -65,6 +77,7 @@ def resolve(op: str, backend: str, device) -> Callable:
     Raises ValueError for unknown backends or backends that lack the op (the message lists those that have it).
     Answers are cached per (op, backend, device type): decode-sized calls take a few microseconds in total.
     """
+    _drop_if_stale()
     key = (op, backend, _device_type(device))
     fn = _RESOLVED.get(key)
     if fn is None:
@@ -79,6 +92,7 @@ def resolve_optional(op: str, backend: str, device) -> Callable | None:
     has a faster form, and the caller runs that sequence when this returns None. Under ``"auto"`` the backend is the
     highest-priority usable one for ``device``'s tensors, whether or not it has the op.
     """
+    _drop_if_stale()
     key = ("?" + op, backend, _device_type(device))
     if key in _RESOLVED:
         return _RESOLVED[key]

@@ -1,50 +1,13 @@
-"""PagedKVCache: per-layer K and V page pools, and the fused kernel that writes new tokens into their slots."""
+"""PagedKVCache: per-layer K and V page pools, written through the backend's :class:`~tessera.kv.storage.KVStorage`."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
 
+from tessera.backends.registry import parse_device
 from tessera.dtypes import FLOAT_DTYPES
-
-
-@njit(parallel=True, cache=True)
-def _write_slots_kernel(k_rows, v_rows, k_new, v_new, slots):  # pragma: no cover - compiled
-    """``k_rows[slots[t]] = k_new[t]`` and the same for V, for every token, in one pass over the new tokens."""
-    for t in prange(slots.shape[0]):
-        row = slots[t]
-        k_rows[row] = k_new[t]
-        v_rows[row] = v_new[t]
-
-
-@njit(cache=True)
-def _write_slots_serial(k_rows, v_rows, k_new, v_new, slots):  # pragma: no cover - compiled
-    """:func:`_write_slots_kernel` on the calling thread (decode steps: waking the pool costs more than the copy)."""
-    for t in range(slots.shape[0]):
-        row = slots[t]
-        k_rows[row] = k_new[t]
-        v_rows[row] = v_new[t]
-
-
-def write_slots_torch(k_rows: torch.Tensor, v_rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                      slots: torch.Tensor) -> None:
-    """:func:`_write_slots_kernel` as one ``index_copy_`` per pool, on whatever device the pools live on.
-
-    ``k_rows``/``v_rows`` are ``[slots, Hkv, D]`` views of a layer's pools, ``k_new``/``v_new`` ``[T, Hkv, D]`` and
-    ``slots`` int64 ``[T]`` (distinct), all on that device.
-    """
-    k_rows.index_copy_(0, slots, k_new)
-    v_rows.index_copy_(0, slots, v_new)
-
-
-#: fewer new K+V bytes than this are copied on the calling thread
-SERIAL_WRITE_BYTES = 1 << 18
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view Numba can copy: 16-bit floats travel as int16 bits (a copy needs no arithmetic)."""
-    return t.view(torch.int16).numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+from tessera.kv.storage import KVStorage, storage_for
 
 
 class PagedKVCache:
@@ -55,8 +18,10 @@ class PagedKVCache:
     num_layers, num_pages, page_size, num_kv_heads, head_dim : int
         Each layer holds ``k_pages[layer]`` and ``v_pages[layer]`` of shape ``[num_pages, page_size, Hkv, D]``.
     dtype : torch.float32, torch.bfloat16 or torch.float16
-    device : where the pools live (default CPU). CPU pools are written by a Numba kernel; others by
-        ``index_copy_`` on their device.
+    device : where the pools live (default CPU).
+    backend : whose :class:`~tessera.kv.storage.KVStorage` allocates and writes them (``"auto"``: the
+        highest-priority usable backend for ``device``'s tensors; the cpu backend writes host pools with a Numba
+        kernel, a backend without storage of its own gets torch's ``index_copy_``).
 
     Token ``j`` of a sequence whose page table row is ``pages`` lives in slot ``pages[j // page_size] * page_size +
     j % page_size``; :meth:`write` takes those slots (the BlockManager's ``slot_mapping``).
@@ -70,7 +35,7 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype, device: str | torch.device = "cpu", backend: str = "auto") -> None:
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -79,14 +44,14 @@ class PagedKVCache:
             raise TypeError(f"PagedKVCache: dtype must be float32, bfloat16 or float16, got {dtype}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"PagedKVCache: device must be a torch device such as 'cpu' or 'cuda:0', got "
-                             f"{device!r} ({err})") from None
+        self.device = parse_device(device, "PagedKVCache")
+        self.storage: KVStorage = storage_for(backend, self.device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_pages = [self.storage.allocate(shape, dtype, self.device) for _ in range(num_layers)]
+        self.v_pages = [self.storage.allocate(shape, dtype, self.device) for _ in range(num_layers)]
+        # the last slots checked: a step passes the same tensor to every layer's write, so it is validated (and
+        # moved to the pools' device) once per step, not once per layer
+        self._checked: tuple[object, int, torch.Tensor] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -111,25 +76,46 @@ class PagedKVCache:
             if t.device != self.device:
                 raise ValueError(f"PagedKVCache.write: {name} is on {t.device}, the cache on {self.device}; move it "
                                  f"with .to({str(self.device)!r})")
-        if isinstance(slots, torch.Tensor):
-            slot_array = slots.detach().to("cpu", torch.int64).numpy()
-        else:
-            slot_array = np.asarray(slots, dtype=np.int64)
-        if slot_array.ndim != 1 or slot_array.shape[0] != k.shape[0] or k.shape != v.shape:
+        slot_rows = self._slots(slots)
+        if slot_rows.shape[0] != k.shape[0] or k.shape != v.shape:
             raise ValueError(f"PagedKVCache.write: need one slot per token: {k.shape[0]} tokens (k), {v.shape[0]} (v), "
-                             f"{slot_array.size} slots")
-        if slot_array.size and (slot_array.min() < 0 or slot_array.max() >= self.num_slots):
-            raise ValueError(f"PagedKVCache.write: slots must lie in [0, {self.num_slots}), got "
-                             f"[{slot_array.min()}, {slot_array.max()}]")
-        if slot_array.size > 1 and np.unique(slot_array).size != slot_array.size:
-            raise ValueError("PagedKVCache.write: two tokens map to the same slot; each token needs its own slot")
-        rows = (-1, self.num_kv_heads, self.head_dim)
-        if self.device.type != "cpu":  # Numba reaches host memory only; the device copies rows itself
-            write_slots_torch(self.k_pages[layer].view(rows), self.v_pages[layer].view(rows), k, v,
-                              torch.as_tensor(slot_array, device=self.device))
+                             f"{slot_rows.shape[0]} slots")
+        if slot_rows.shape[0] == 0:
             return
-        small = 2 * k.numel() * k.element_size() < SERIAL_WRITE_BYTES
-        (_write_slots_serial if small else _write_slots_kernel)(
-            _bits(self.k_pages[layer].view(rows)), _bits(self.v_pages[layer].view(rows)),
-            _bits(k.contiguous()), _bits(v.contiguous()), slot_array,
-        )
+        rows = (-1, self.num_kv_heads, self.head_dim)
+        self.storage.write_slots(self.k_pages[layer].view(rows), self.v_pages[layer].view(rows), k, v, slot_rows)
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: page ``src`` -> ``dst`` in every layer's K and V, in the order given."""
+        for src, dst in copies:
+            for page in (src, dst):
+                if not 0 <= page < self.num_pages:
+                    raise IndexError(f"PagedKVCache.copy_pages: page {page} out of range [0, {self.num_pages})")
+        if copies:
+            self.storage.copy_pages([*self.k_pages, *self.v_pages], copies)
+
+    def _slots(self, slots: torch.Tensor | list[int]) -> torch.Tensor:
+        """``slots`` checked (1-D, distinct, in range) as int64 on the pools' device. A tensor already checked and
+        not modified since (its version counter) is not checked again."""
+        if isinstance(slots, torch.Tensor) and self._checked is not None and self._checked[0] is slots \
+                and self._checked[1] == slots._version:
+            return self._checked[2]
+        if isinstance(slots, torch.Tensor):
+            host = slots.detach().to("cpu", torch.int64).numpy()
+        else:
+            host = np.asarray(slots, dtype=np.int64)
+        if host.ndim != 1:
+            raise ValueError(f"PagedKVCache.write: slots must be 1-D [tokens], got shape {list(host.shape)}")
+        if host.size and (host.min() < 0 or host.max() >= self.num_slots):
+            raise ValueError(f"PagedKVCache.write: slots must lie in [0, {self.num_slots}), got "
+                             f"[{host.min()}, {host.max()}]")
+        if host.size > 1 and np.unique(host).size != host.size:
+            raise ValueError("PagedKVCache.write: two tokens map to the same slot; each token needs its own slot")
+        if isinstance(slots, torch.Tensor) and slots.device == self.device and slots.dtype == torch.int64 \
+                and slots.is_contiguous():
+            rows = slots.detach()
+        else:
+            rows = torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+        if isinstance(slots, torch.Tensor):
+            self._checked = (slots, slots._version, rows)
+        return rows

@@ -70,10 +70,10 @@ def slots_for(page_table_row: list[int] | torch.Tensor, positions: range | list[
 
 
 def new_cache(model: Model, num_pages: int, page_size: int) -> PagedKVCache:
-    """A page pool shaped for ``model`` in its dtype, on its device."""
+    """A page pool shaped for ``model`` in its dtype, on its device, stored the way its backend stores KV."""
     c = model.config
     return PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype,
-                        device=model.device)
+                        device=model.device, backend=model.backend)
 
 
 @torch.no_grad()

@@ -126,3 +126,21 @@ def test_registration_errors() -> None:
             resolve_device("broken")
     finally:
         unregister("broken")
+
+
+def test_replacing_a_backend_drops_its_cached_ops(toy, gen) -> None:
+    """Kernel op tables and resolved answers are cached per backend name; registering another class under the name
+    (or removing it) must not leave the old functions in use."""
+    x = torch.randn(2, 5, generator=gen)
+    K.silu(x, backend=toy)  # fills the caches for "toy"
+    import toy_accel.backend
+
+    renamed = type("Toy2", (toy_accel.backend.ToyBackend,), {"name": "toy2", "__module__": "toy_accel.backend"})()
+    register("toy2", renamed)
+    try:
+        K.silu(x, backend="toy2")
+        unregister("toy2")
+        with pytest.raises(ValueError, match="unknown backend|no backend"):
+            K.silu(x, backend="toy2")
+    finally:
+        unregister("toy2")

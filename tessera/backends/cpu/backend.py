@@ -62,6 +62,18 @@ class CpuBackend:
 
         return peaks.roof_of(op, args)
 
+    def kv_storage(self):
+        """Host KV pools written by a Numba kernel (:class:`.kv_storage.CpuKVStorage`)."""
+        from tessera.backends.cpu.kv_storage import CpuKVStorage
+
+        return CpuKVStorage()
+
+    def profile_targets(self) -> tuple:
+        """This backend's own kernels that ``tessera profile`` counts: ``(module, attribute, op name, cost)``."""
+        from tessera.backends.cpu.profile_costs import PROFILE_TARGETS
+
+        return PROFILE_TARGETS
+
     def why_not(self, request: AttentionRequest) -> list[str]:
         reasons = []
         if request.device.type != "cpu":

@@ -1,4 +1,4 @@
-"""Quantized matmul at a Llama-7B projection (4096 x 4096): ours (backend="cpu") vs torch's fp32 ``x @ w.T``.
+"""Quantized matmul at a Llama-7B projection (4096 x 4096): ours (backend=host_backend()) vs torch's fp32 ``x @ w.T``.
 
 Decode (M=1) is memory-bound: fp32 W is 64 MiB, int8 16 MiB, int4 8 MiB plus scales, hence the targets of
 0.4x (int8) and 0.3x (int4) the fp32 time. Both the packed weights and the fp32 baseline rotate through copies
@@ -15,6 +15,7 @@ import torch
 
 from tessera.bench.harness import copies_for, rotating
 from tessera.bench.kernel_cases import KernelCase
+from tessera.bench.machine import host_backend
 from tessera.kernels import quant
 
 HIDDEN = 4096
@@ -32,10 +33,11 @@ def _copies(qw: quant.QuantizedWeight) -> list[quant.QuantizedWeight]:
 
 
 def _variants() -> list[str]:
-    """The cpu ``qgemv`` kernel variants this machine runs, best first (from the backend's own report)."""
-    from tessera.backends import registered
+    """The ``qgemv`` kernel variants this machine runs, best first (from the timed backend's own report; none when it
+    has no variants)."""
+    from tessera.backends import registry
 
-    for row in getattr(registered()["cpu"], "kernel_variants", list)():
+    for row in getattr(registry.get(host_backend()), "kernel_variants", list)():
         if row["family"] == "qgemv":
             return list(row["available"])
     return []
@@ -62,18 +64,20 @@ def _under(variant: str | None, fn):
 
 def _case(fmt: str, group: int | None, target: float | None, m: int, w: torch.Tensor,
           baseline_weights, variant: str | None = None) -> KernelCase:
+    ours = host_backend()  # the backend timed as ours, looked up once
     qw = quant.quantize(w, fmt, group)
     weights = rotating(_copies(qw))
     x = torch.randn(m, HIDDEN)
     n, k = w.shape
     label = f"qmatmul {fmt}" + (f"/g{group}" if group else "") + f" M={m} {n}x{k}" + (f" [{variant}]" if variant else "")
-    return KernelCase("quant", label, _under(variant, lambda: quant.qmatmul(x, weights(), backend="cpu")),
+    return KernelCase("quant", label, _under(variant, lambda: quant.qmatmul(x, weights(), backend=ours)),
                       lambda: x @ baseline_weights().T,
                       bytes_moved=qw.nbytes + 4 * (m * k + m * n), flops=2 * m * n * k,
                       target=target if m == 1 else None)
 
 
 def cases(quick: bool) -> list[KernelCase]:
+    ours = host_backend()  # the backend timed as ours, looked up once
     w = torch.randn(HIDDEN, HIDDEN) * 0.02
     # the fp32 baseline streams from DRAM too: one 64 MiB matrix would sit in a 300 MiB L3
     fp32 = rotating([w] + [w.clone() for _ in range(copies_for(w.numel() * 4) - 1)])
@@ -86,6 +90,6 @@ def cases(quick: bool) -> list[KernelCase]:
         out += [_case("int4", 128, None, 64, w, fp32)]
         x = torch.randn(64, HIDDEN)
         out.append(KernelCase("quant", f"matmul fp32 M=64 {HIDDEN}x{HIDDEN}",
-                              lambda: quant.matmul(x, w, backend="cpu"), lambda: x @ w.T,
+                              lambda: quant.matmul(x, w, backend=ours), lambda: x @ w.T,
                               bytes_moved=4 * (w.numel() + 2 * x.numel()), flops=2 * 64 * HIDDEN * HIDDEN))
     return out

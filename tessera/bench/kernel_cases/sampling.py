@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tessera.bench.kernel_cases import KernelCase
+from tessera.bench.machine import host_backend
 from tessera.kernels import sampling as ks
 from tessera.kernels.sampling import SamplerParams
 
@@ -30,21 +31,23 @@ def _torch_sample(logits: torch.Tensor, temp: torch.Tensor, top_k: int, top_p: f
 
 
 def _row_cases(name: str, x: torch.Tensor) -> list[KernelCase]:
+    ours = host_backend()  # the backend timed as ours, looked up once
     batch, vocab = x.shape
     rw = x.numel() * x.element_size() + batch * vocab * 4  # read logits, write float32
     return [
-        KernelCase("sampling", f"softmax {name}", lambda: ks.softmax(x, backend="cpu"),
+        KernelCase("sampling", f"softmax {name}", lambda: ks.softmax(x, backend=ours),
                    lambda: torch.softmax(x, dim=-1, dtype=torch.float32), rw),
-        KernelCase("sampling", f"log_softmax {name}", lambda: ks.log_softmax(x, backend="cpu"),
+        KernelCase("sampling", f"log_softmax {name}", lambda: ks.log_softmax(x, backend=ours),
                    lambda: torch.log_softmax(x, dim=-1, dtype=torch.float32), rw),
-        KernelCase("sampling", f"argmax {name}", lambda: ks.argmax(x, backend="cpu"),
+        KernelCase("sampling", f"argmax {name}", lambda: ks.argmax(x, backend=ours),
                    lambda: torch.argmax(x, dim=-1), x.numel() * x.element_size()),
-        KernelCase("sampling", f"topk50 {name}", lambda: ks.topk(x, 50, backend="cpu"),
+        KernelCase("sampling", f"topk50 {name}", lambda: ks.topk(x, 50, backend=ours),
                    lambda: torch.topk(x, 50, dim=-1), x.numel() * x.element_size()),
     ]
 
 
 def _sample_cases(name: str, x: torch.Tensor) -> list[KernelCase]:
+    ours = host_backend()  # the backend timed as ours, looked up once
     batch = x.shape[0]
     temp = torch.full((batch,), 0.8)
     cases = []
@@ -52,7 +55,7 @@ def _sample_cases(name: str, x: torch.Tensor) -> list[KernelCase]:
         params = [SamplerParams(temperature=0.8, top_k=top_k, top_p=top_p)] * batch
         cases.append(KernelCase(
             "sampling", f"sample {label} {name}",
-            lambda params=params: ks.sample(x, params, backend="cpu"),
+            lambda params=params: ks.sample(x, params, backend=ours),
             lambda top_k=top_k, top_p=top_p: _torch_sample(x, temp, top_k, top_p),
             x.numel() * x.element_size()))
     return cases

@@ -33,10 +33,10 @@ def storage_view(t: torch.Tensor) -> np.ndarray:
 def group_view(t: torch.Tensor) -> np.ndarray:
     """Zero-copy NumPy view of a quantized weight's per-group array (scales, mins or zero points): float32 and uint8
     as they are, float16 (GGUF's block scales) as int16 bits, which the kernels widen with ``group_value``."""
-    if t.dtype in (torch.float32, torch.uint8):
+    if t.dtype == torch.uint8:
         return t.numpy()
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy()
+    if t.dtype in (torch.float32, torch.float16):
+        return storage_view(t)
     raise TypeError(f"quantized weight groups are float32, float16 or uint8, got {t.dtype}")
 
 
