@@ -1,17 +1,18 @@
 """Load a GGUF file (llama.cpp's format) as a runnable :class:`~tessera.models.model.Model`.
 
-The file is read with ``gguf.GGUFReader`` (memory-mapped). Its metadata becomes a Hugging Face-style config dict
-that the family module turns into a :class:`ModelConfig`, so a GGUF model and the same model's safetensors
-directory share every line after the reader. Tensors are renamed to the Hugging Face checkpoint names the family's
+The header is parsed by :mod:`tessera.models.gguf_reader` and the tensor data stays memory-mapped: only what must
+be float is de-quantized (:mod:`tessera.models.gguf_dequant`), and F32 tensors loaded as float32 are views of the
+mapped file. Its metadata becomes a Hugging Face-style config dict that the family module turns into a
+:class:`ModelConfig`, so a GGUF model and the same model's safetensors directory share every line after the reader. Tensors are renamed to the Hugging Face checkpoint names the family's
 :class:`WeightSpec` list asks for and assembled the same way (q|k|v and gate|up fused).
 
 Two things differ from a safetensors checkpoint:
 
 * llama.cpp's converter interleaves the two rotary halves of every Q and K head (llama.cpp rotates adjacent pairs,
   Hugging Face rotates the halves); :func:`unpermute_rows` restores the order for the architectures it applies to.
-* Projections are usually quantized. By default every tensor is dequantized (``gguf.quants.dequantize``) to the
-  requested dtype; with ``keep_quantized=True`` the 2-D projections stay packed as :class:`QuantizedWeight`
-  (Q4_0, Q4_1, Q8_0 are held exactly; the un-permutation moves whole rows, so it is exact too).
+* Projections are usually quantized. By default those in Q4_0, Q4_1 or Q8_0 stay packed as
+  :class:`QuantizedWeight` (held exactly; the un-permutation moves whole rows, so it is exact too) and the others
+  are de-quantized to the requested dtype; ``keep_quantized`` chooses otherwise.
 
 >>> model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
 >>> model.tokenizer.encode("Hello world").ids
@@ -34,6 +35,8 @@ from tessera.kernels.quant import QuantizedWeight, from_gguf
 from tessera.models.config import ModelConfig
 from tessera.models.families import all_families
 from tessera.models.families.common import Family, WeightSpec
+from tessera.models.gguf_dequant import dequantize
+from tessera.models.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 from tessera.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
 from tessera.models.hf import CheckpointError, check_shapes
 from tessera.models.model import Model
@@ -41,6 +44,7 @@ from tessera.models.model import Model
 _T = gguf.GGMLQuantizationType
 _FLOAT_TYPES = (_T.F32, _T.F16, _T.BF16)
 _PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # what from_gguf holds without changing a value
+_STORED_AS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -97,39 +101,35 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
     Raises
     ------
     FileNotFoundError, CheckpointError
-        Missing file, not a GGUF file, unsupported architecture / quantization type, missing or misshapen tensor.
+        Missing file, not a GGUF file or a malformed header (the message names the field), unsupported
+        architecture / quantization type, missing or misshapen tensor.
     """
     reader = open_reader(path)
     meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensor_index
     arch, family, config = config_from_gguf(meta, tensors, path)
     weights = load_weights(tensors, config, family, arch, torch_dtype, keep_quantized)
     return Model(config, weights, _tokenizer(meta, path), meta.get("tokenizer.chat_template"), backend)
 
 
-def open_reader(path: str | Path) -> gguf.GGUFReader:
-    """A memory-mapped reader, after checking the file exists and starts with the GGUF magic."""
+def open_reader(path: str | Path) -> GGUFFile:
+    """The file's parsed header and memory-mapped tensor index (:func:`~tessera.models.gguf_reader.read_gguf`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_gguf: {path} does not exist (or is not a file); pass the path of a .gguf file")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, a GGUF file with b'GGUF'. "
-                              "Pass a .gguf file, or a Hugging Face directory to load_model")
     try:
-        return gguf.GGUFReader(path, "r")
-    except (ValueError, OSError, IndexError) as err:  # truncated or corrupt header
-        raise CheckpointError(f"{path} starts like a GGUF file but cannot be parsed ({err}); the file may be "
-                              "truncated or corrupt") from err
+        return read_gguf(path)
+    except GGUFFormatError as err:
+        hint = " Pass a .gguf file, or a Hugging Face directory to load_model" if "not a GGUF file" in str(err) else ""
+        raise CheckpointError(f"{err}.{hint}" if hint else str(err)) from err
 
 
-def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     """GGUF key -> Python value (str, int, float, bool or list), every key of the file."""
-    return {key: field.contents() for key, field in reader.fields.items()}
+    return reader.metadata
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: str | Path = "<gguf>"
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, TensorInfo], path: str | Path = "<gguf>"
                      ) -> tuple[GGUFArch, Family, ModelConfig]:
     """The file's architecture rule, family and :class:`ModelConfig` (via an HF-style config dict)."""
     name = meta.get("general.architecture")
@@ -148,7 +148,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: str | 
     return arch, family, family.config_from_hf(hf_config(meta, tensors, name, arch.family, path))
 
 
-def hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, model_type: str,
+def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str, model_type: str,
               path: str | Path = "<gguf>") -> dict[str, Any]:
     """The Hugging Face ``config.json`` keys the families read, from ``{arch}.*`` and ``tokenizer.ggml.*`` keys."""
     def get(key: str, default: Any = None, required: bool = False) -> Any:
@@ -164,7 +164,7 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, Any], arch: str, model_ty
     head_dim = get("attention.key_length", hidden // heads)
     rope_dim = get("rope.dimension_count", head_dim)
     embed = tensors.get("token_embd.weight")  # its rows are the model's vocabulary (ne = [hidden, vocab])
-    vocab = get("vocab_size") or (int(embed.shape[-1]) if embed is not None else None) or len(
+    vocab = get("vocab_size") or (int(embed.ne[-1]) if embed is not None else None) or len(
         meta.get("tokenizer.ggml.tokens", ()))
     hf = {
         "model_type": model_type,
@@ -226,7 +226,7 @@ def unpermute_rows(num_heads: int, head_dim: int) -> torch.Tensor:
     return (torch.arange(num_heads)[:, None] * head_dim + within).reshape(-1)
 
 
-def load_weights(tensors: dict[str, Any], config: ModelConfig, family: Family, arch: GGUFArch,
+def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Family, arch: GGUFArch,
                  dtype: torch.dtype, keep_quantized: bool | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Canonical weights from the file's tensors, by the family's :class:`WeightSpec` list (``keep_quantized`` as
     in :func:`load_gguf`)."""
@@ -242,28 +242,30 @@ def load_weights(tensors: dict[str, Any], config: ModelConfig, family: Family, a
         packed = keep_quantized is not False and len(tensors[names[0]].shape) == 2 \
             and spec.sources[0] not in _ALWAYS_FLOAT
         if spec.name == "lm_head" and keep_quantized is not False:
-            packed = _T(int(tensors[names[0]].tensor_type)) in _PACKABLE  # an untied output table may stay packed
+            packed = tensors[names[0]].tensor_type in _PACKABLE  # an untied output table may stay packed
         if packed and keep_quantized is None:  # auto: pack only what can stay packed, parts fused in one format
-            types = {_T(int(tensors[n].tensor_type)) for n in names}
+            types = {tensors[n].tensor_type for n in names}
             packed = len(types) == 1 and types <= set(_PACKABLE)
-        parts = [_read(tensors[n], hf, config, arch, dtype, packed) for n, hf in zip(names, spec.sources)]
-        weights[spec.name] = _assemble(spec, parts)
+        parts = [tensors[n] for n in names]
+        weights[spec.name] = (_read_packed(spec, parts, config, arch) if packed and _any_quantized(parts) else
+                              _assemble(spec, [_read_float(t, hf, config, arch, dtype)
+                                               for t, hf in zip(parts, spec.sources)]))
     if keep_quantized is not False and "lm_head" not in weights:
         _add_packed_output(tensors, config, arch, weights)
     check_shapes(config, weights)
     return weights
 
 
-def _add_packed_output(tensors: dict[str, Any], config: ModelConfig, arch: GGUFArch,
+def _add_packed_output(tensors: dict[str, TensorInfo], config: ModelConfig, arch: GGUFArch,
                        weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
     """A tied output table (the embedding) in a packable type also goes to the lm_head packed, as llama.cpp runs it:
     the logits GEMV then reads the file's bytes (SmolLM2's Q8_0 table: 30 MB) instead of the de-quantized float table
     (113 MB in fp32), the largest read of a small model's decode step. The float table stays for token lookups."""
     name = gguf_name("model.embed_tokens.weight")
     t = tensors.get(name)
-    if t is None or _T(int(t.tensor_type)) not in _PACKABLE:
+    if t is None or t.tensor_type not in _PACKABLE:
         return
-    weights["lm_head"] = _read(t, "lm_head.weight", config, arch, torch.float32, packed=True)
+    weights["lm_head"] = _packed_rows(t, "lm_head.weight", config, arch)
 
 
 def _expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...] | None:
@@ -279,36 +281,70 @@ def _expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...] | None
     return want if want is None or hf_name.endswith(".weight") else want[:1]
 
 
-def _read(t: Any, hf_name: str, config: ModelConfig, arch: GGUFArch, dtype: torch.dtype,
-          packed: bool) -> torch.Tensor | QuantizedWeight:
-    """One file tensor, shape-checked, un-permuted when needed, as a float tensor or QuantizedWeight."""
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first (ne order)
+def _any_quantized(parts: list[TensorInfo]) -> bool:
+    return any(t.tensor_type not in _FLOAT_TYPES for t in parts)
+
+
+def _check_shape(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch) -> None:
     want = _expected_shape(hf_name, config)
-    if want is not None and shape != want:
-        raise CheckpointError(f"GGUF tensor {t.name!r} has shape {shape} (ne = {t.shape.tolist()}), but the "
+    if want is not None and t.shape != want:
+        raise CheckpointError(f"GGUF tensor {t.name!r} has shape {t.shape} (ne = {list(t.ne)}), but the "
                               f"metadata implies {want}; the file's tensors and its {arch.family} metadata disagree")
-    qtype = _T(int(t.tensor_type))
-    if packed and qtype not in _FLOAT_TYPES:
-        if qtype not in _PACKABLE:
-            raise CheckpointError(f"GGUF tensor {t.name!r} is {qtype.name}, which keep_quantized cannot hold "
+
+
+def _read_float(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch,
+                dtype: torch.dtype) -> torch.Tensor:
+    """One file tensor in ``dtype``, shape-checked and un-permuted when needed."""
+    _check_shape(t, hf_name, config, arch)
+    out = _float(t, dtype)
+    rows = _permutation(hf_name, config, arch)
+    return out if rows is None else out.index_select(0, rows)
+
+
+def _read_packed(spec: WeightSpec, parts: list[TensorInfo], config: ModelConfig,
+                 arch: GGUFArch) -> QuantizedWeight:
+    """The spec's tensors as one :class:`QuantizedWeight`: their block rows (un-permuted, stacked along N) are
+    gathered from the mapped file in one copy, then split into codes, scales and mins by ``from_gguf``."""
+    for t in parts:
+        if t.tensor_type not in _PACKABLE and t.tensor_type not in _FLOAT_TYPES:
+            raise CheckpointError(f"GGUF tensor {t.name!r} is {t.tensor_type.name}, which keep_quantized cannot hold "
                                   f"exactly (supported: {[q.name for q in _PACKABLE]}); load with "
                                   "keep_quantized=False to dequantize it")
-        out: torch.Tensor | QuantizedWeight = from_gguf(t.data, qtype, shape)
-    else:
-        out = _dequantize(t, qtype, shape, dtype)
+    types = [t.tensor_type.name for t in parts]
+    if len(set(types)) != 1:
+        raise CheckpointError(f"{spec.name}: keep_quantized needs {list(spec.sources)} in one format to fuse them, "
+                              f"got {types}; load with keep_quantized=False to dequantize")
+    if len(parts) == 1:
+        return _packed_rows(parts[0], spec.sources[0], config, arch)
+    rows = [_block_rows(t, hf, config, arch) for t, hf in zip(parts, spec.sources)]
+    shape = (sum(r.shape[0] for r in rows), parts[0].shape[1])
+    return from_gguf(np.concatenate(rows), parts[0].tensor_type, shape)
+
+
+def _packed_rows(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch) -> QuantizedWeight:
+    return from_gguf(_block_rows(t, hf_name, config, arch), t.tensor_type, t.shape)
+
+
+def _block_rows(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch) -> np.ndarray:
+    """The tensor's rows of quantized blocks (uint8 ``[N, bytes per row]``), un-permuted when needed: a view of the
+    mapped file, or a copy in our order. A row is whole blocks along K, so moving rows is exact. numpy, not torch:
+    these are small copies, and torch would run each as a parallel region that waits on a busy core."""
+    _check_shape(t, hf_name, config, arch)
     rows = _permutation(hf_name, config, arch)
-    return out if rows is None else _take_rows(out, rows)
+    return t.data if rows is None else np.take(t.data, rows.numpy(), axis=0)
 
 
-def _dequantize(t: Any, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _float(t: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in ``dtype``: a view of the mapped file when it is stored in that dtype, else de-quantized."""
+    if _STORED_AS.get(t.tensor_type) == dtype:
+        # the reader's views are copy-on-write pages: the weight shares the page cache until something writes to it
+        return torch.from_numpy(t.data).view(dtype).reshape(t.shape)
     try:
-        values = gguf.quants.dequantize(t.data, qtype)
+        values = dequantize(t.data, t.tensor_type, t.shape)
     except NotImplementedError as err:
-        raise CheckpointError(f"GGUF tensor {t.name!r} has type {qtype.name}, which cannot be dequantized "
+        raise CheckpointError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized "
                               f"({err}); re-quantize the model to a supported type (F16, Q8_0, Q4_K, ...)") from err
-    # the reader's arrays are read-only views of the mapped file: copy into memory we own
-    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)
-    return torch.from_numpy(array).to(dtype)
+    return values.to(dtype)
 
 
 def _permutation(hf_name: str, config: ModelConfig, arch: GGUFArch) -> torch.Tensor | None:
@@ -321,36 +357,12 @@ def _permutation(hf_name: str, config: ModelConfig, arch: GGUFArch) -> torch.Ten
     return None
 
 
-def _take_rows(w: torch.Tensor | QuantizedWeight, rows: torch.Tensor) -> torch.Tensor | QuantizedWeight:
-    """Rows ``rows`` of a float or packed weight (a packed row is whole blocks along K, so this is exact)."""
-    if isinstance(w, torch.Tensor):
-        return w.index_select(0, rows)
-    pick = (lambda x: None if x is None else x.index_select(0, rows).contiguous())
-    return QuantizedWeight(w.fmt, (len(rows), w.shape[1]), w.group_size, pick(w.data), pick(w.scales),
-                           pick(w.zeros), pick(w.mins))
-
-
-def _assemble(spec: WeightSpec, parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+def _assemble(spec: WeightSpec, parts: list[torch.Tensor]) -> torch.Tensor:
     if spec.combine == "one":
-        return parts[0].contiguous() if isinstance(parts[0], torch.Tensor) else parts[0]
+        return parts[0].contiguous()
     if spec.combine != "cat":
         raise CheckpointError(f"{spec.name}: combine rule {spec.combine!r} is not supported for GGUF files")
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts, dim=0)
-    return _cat_packed(spec, parts)
-
-
-def _cat_packed(spec: WeightSpec, parts: list[torch.Tensor | QuantizedWeight]) -> QuantizedWeight:
-    """Stack packed weights along N (q|k|v, gate|up); they must share one format."""
-    formats = [p.fmt if isinstance(p, QuantizedWeight) else str(p.dtype) for p in parts]
-    if len(set(formats)) != 1:
-        raise CheckpointError(f"{spec.name}: keep_quantized needs {list(spec.sources)} in one format to fuse them, "
-                              f"got {formats}; load with keep_quantized=False to dequantize")
-    first = parts[0]
-    cat = (lambda get: None if get(first) is None else torch.cat([get(p) for p in parts], dim=0))
-    return QuantizedWeight(first.fmt, (sum(p.shape[0] for p in parts), first.shape[1]), first.group_size,
-                           cat(lambda p: p.data), cat(lambda p: p.scales), cat(lambda p: p.zeros),
-                           cat(lambda p: p.mins))
+    return torch.cat(parts, dim=0)
 
 
 def _tokenizer(meta: dict[str, Any], path: str | Path) -> Any:

@@ -14,6 +14,7 @@ encoding gives the ids llama.cpp and Hugging Face's GGUF loader give. Other toke
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from functools import lru_cache
 from typing import Any
@@ -54,16 +55,21 @@ def byte_alphabet() -> dict[int, str]:
     return mapping
 
 
+@lru_cache(maxsize=1)
+def _outside_alphabet() -> re.Pattern[str]:
+    """Matches a character that is not one of the 256 byte-alphabet letters."""
+    return re.compile("[^" + "".join(re.escape(ch) for ch in byte_alphabet().values()) + "]")
+
+
 def byte_level_spelling(token: str) -> str:
     """``token`` as a byte-level vocabulary spells it: unchanged when already spelled so, else its UTF-8 bytes.
 
     Some converters store a few tokens as plain text ("<think>" with a real space, say); the model's BPE only
     ever produces byte-alphabet strings, so those entries are respelled to be reachable.
     """
-    alphabet = byte_alphabet()
-    letters = set(alphabet.values())
-    if all(ch in letters for ch in token):
+    if _outside_alphabet().search(token) is None:
         return token
+    alphabet = byte_alphabet()
     return "".join(alphabet[b] for b in token.encode("utf-8"))
 
 
@@ -117,16 +123,17 @@ def tokenizer_document(meta: dict[str, Any]) -> dict[str, Any]:
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": [_merge_pair(m) for m in meta["tokenizer.ggml.merges"]]},
+                  "vocab": vocab, "merges": _merges(meta["tokenizer.ggml.merges"])},
     }
 
 
-def _merge_pair(merge: str) -> list[str]:
-    # byte-level tokens spell a space as "Ġ", so the one real space separates the pair
-    pair = merge.split(" ")
-    if len(pair) != 2:
-        raise ValueError(f"GGUF merge {merge!r} is not two tokens separated by one space; the file is malformed")
-    return pair
+def _merges(merges: list[str]) -> list[str]:
+    """The file's merges, checked: byte-level tokens spell a space as "Ġ", so one real space separates each pair.
+    They stay "a b" strings, the form ``tokenizers`` parses fastest (no list per merge)."""
+    bad = next((m for m in merges if m.count(" ") != 1), None)
+    if bad is not None:
+        raise ValueError(f"GGUF merge {bad!r} is not two tokens separated by one space; the file is malformed")
+    return merges
 
 
 def _pre_tokenizer(pre: str) -> dict[str, Any]:
