@@ -172,8 +172,8 @@ class _Parser:
                     "the file is big-endian, and only little-endian GGUF files are read" if swapped else
                     f"supported versions: {list(SUPPORTED_VERSIONS)}"))
         self.pos = _HEADER.size
-        self._check_count("tensor_count", n_tensors, _MIN_TENSOR_BYTES, "tensor index entries")
-        self._check_count("kv_count", n_kv, _MIN_KV_BYTES, "key/value pairs")
+        self._check_count("header field tensor_count", n_tensors, _MIN_TENSOR_BYTES, "tensor index entries")
+        self._check_count("header field kv_count", n_kv, _MIN_KV_BYTES, "key/value pairs")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._string("a metadata key")
@@ -331,6 +331,6 @@ class _Parser:
         """A claimed count must fit in the bytes left: each item takes at least ``min_bytes``."""
         limit = (self.size - self.pos) // min_bytes
         if count > limit:
-            raise GGUFFormatError(f"{self.path}: GGUF header field {field} claims {count} {things}, but the "
+            raise GGUFFormatError(f"{self.path}: {field} claims {count} {things}, but the "
                                   f"{self.size - self.pos} bytes left in the file hold at most {limit} (each takes "
                                   f"at least {min_bytes} bytes); the file is truncated or corrupt")
