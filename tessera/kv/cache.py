@@ -1,4 +1,5 @@
-"""PagedKVCache: per-layer K and V page pools, written through the backend's :class:`~tessera.kv.storage.KVStorage`."""
+"""PagedKVCache: per-layer K and V page pools, kept by the backend's
+:class:`~tessera.backends.kv_storage.KVStorage`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from tessera.backends.registry import parse_device
 from tessera.dtypes import FLOAT_DTYPES
-from tessera.kv.storage import KVStorage, storage_for
+from tessera.backends.kv_storage import KVStorage, storage_for
 
 
 class PagedKVCache:
@@ -19,7 +20,7 @@ class PagedKVCache:
         Each layer holds ``k_pages[layer]`` and ``v_pages[layer]`` of shape ``[num_pages, page_size, Hkv, D]``.
     dtype : torch.float32, torch.bfloat16 or torch.float16
     device : where the pools live (default CPU).
-    backend : whose :class:`~tessera.kv.storage.KVStorage` allocates and writes them (``"auto"``: the
+    backend : whose :class:`~tessera.backends.kv_storage.KVStorage` allocates and writes them (``"auto"``: the
         highest-priority usable backend for ``device``'s tensors; the cpu backend writes host pools with a Numba
         kernel, a backend without storage of its own gets torch's ``index_copy_``).
 

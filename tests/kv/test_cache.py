@@ -7,7 +7,7 @@ import torch
 
 from tessera.kv import PagedKVCache
 from tessera.backends.cpu.kv_storage import CpuKVStorage
-from tessera.kv.storage import GENERIC, KVStorage, storage_for
+from tessera.backends.kv_storage import GENERIC, KVStorage, storage_for
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from tessera.kv.storage import KVStorage
+from tessera.backends.kv_storage import KVStorage
 
 #: fewer new K+V bytes than this are copied on the calling thread
 SERIAL_WRITE_BYTES = 1 << 18
