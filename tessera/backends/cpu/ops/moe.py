@@ -11,18 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.backends.reference.ops.moe import permute_indices
+from tessera.backends.reference.ops.moe import permute_indices, route_in_dtype
 
 
 def route(logits: torch.Tensor, top_k: int, mode: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    lg = logits.float()
-    ids = torch.sort(lg, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    if mode == "topk_softmax":
-        return torch.softmax(lg.gather(1, ids), dim=-1), ids
-    weights = torch.softmax(lg, dim=-1).gather(1, ids)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return route_in_dtype(logits.float(), top_k, mode, renormalize)
 
 
 def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):

@@ -12,7 +12,11 @@ import torch.nn.functional as F
 
 def route_f64(logits: torch.Tensor, top_k: int, mode: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float64 ``[T, k]``, ids int64 ``[T, k]``); ranks by logit, ties to the lowest expert id."""
-    lg = logits.double()
+    return route_in_dtype(logits.double(), top_k, mode, renormalize)
+
+
+def route_in_dtype(lg: torch.Tensor, top_k: int, mode: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route_f64`'s arithmetic in ``lg``'s own dtype (the cpu backend routes in float32)."""
     # A stable descending sort keeps equal logits in index order: the lowest id wins a tie.
     ids = torch.sort(lg, dim=-1, descending=True, stable=True).indices[:, :top_k]
     if mode == "topk_softmax":
