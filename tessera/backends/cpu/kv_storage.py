@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from numba import njit, prange
 
+from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.kv_storage import KVStorage
 
 #: fewer new K+V bytes than this are copied on the calling thread
@@ -30,11 +30,6 @@ def _write_slots_serial(k_rows, v_rows, k_new, v_new, slots):  # pragma: no cove
         v_rows[row] = v_new[t]
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view Numba can copy: 16-bit floats travel as int16 bits (a copy needs no arithmetic)."""
-    return t.view(torch.int16).numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
-
-
 class CpuKVStorage(KVStorage):
     """Host pools; :meth:`write_slots` copies whole token rows ``[Hkv, D]`` in Numba, without torch's per-call
     dispatch (a decode step writes every layer's one row per sequence)."""
@@ -43,5 +38,6 @@ class CpuKVStorage(KVStorage):
                     slots: torch.Tensor) -> None:
         small = 2 * k_new.numel() * k_new.element_size() < SERIAL_WRITE_BYTES
         (_write_slots_serial if small else _write_slots_kernel)(
-            _bits(k_rows), _bits(v_rows), _bits(k_new.contiguous()), _bits(v_new.contiguous()), slots.numpy(),
+            storage_view(k_rows), storage_view(v_rows), storage_view(k_new.contiguous()),
+            storage_view(v_new.contiguous()), slots.numpy(),
         )
