@@ -16,6 +16,7 @@ from tessera.engine.params import RequestOutput, SamplingParams
 from tessera.engine.runner import Runner
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import Sequence
+from tessera.engine.text_check import surrogate_message
 from tessera.kv import BlockManager
 from tessera.models.load import load_model
 from tessera.models.model import Model, to_device
@@ -75,6 +76,13 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.model.tokenizer
+
+    @property
+    def max_seq_tokens(self) -> int:
+        """The most tokens (prompt plus generated) one sequence can hold: the context length, or fewer when the
+        whole KV cache holds fewer. A request whose prompt plus ``max_tokens`` needs more is refused."""
+        bm = self.block_manager
+        return min(self.max_len, bm.num_pages * bm.page_size)
 
     def _pages_for(self, memory: int, page_size: int, max_num_seqs: int) -> int:
         c = self.model.config
@@ -222,6 +230,9 @@ class LLM:
 
     def _check_prompt(self, i: int, prompt: Prompt, p: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
+            bad_text = surrogate_message(prompt, f"request {i}: the prompt")
+            if bad_text is not None:  # checked first: the tokenizer's own error does not say what is wrong
+                raise ValueError(bad_text)
             if self.tokenizer is None:
                 raise ValueError(f"request {i}: a text prompt needs a tokenizer and this model has none; pass "
                                  "token ids instead")
@@ -244,6 +255,10 @@ class LLM:
         # one sample alone must fit; parallel samples that do not fit together are preempted and run in turn
         need = math.ceil(min(len(ids) + p.max_tokens, self.max_len) / bm.page_size)
         if need > bm.num_pages:
+            room = self.max_seq_tokens - len(ids)
+            fix = (f"lower max_tokens to at most {room}" if room >= 1 else
+                   f"shorten the prompt to at most {self.max_seq_tokens - 1} tokens")
             raise ValueError(f"request {i}: prompt + max_tokens need {need} KV pages but the cache has "
-                             f"{bm.num_pages}; lower max_tokens or give LLM more num_pages")
+                             f"{bm.num_pages} ({self.max_seq_tokens} tokens); the prompt has {len(ids)} tokens, so "
+                             f"{fix}, or give LLM more num_pages")
         return ids

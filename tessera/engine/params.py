@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from tessera.kernels.sampling import SamplerParams
 
 #: the most alternatives per token a request may ask for (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
+#: fields that must be real numbers (an int or a float, NumPy's too; not a bool, not a numeric string)
+NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+#: fields that must be ints (not bools, not floats); max_tokens, n and top_logprobs check type and range together
+INT_FIELDS = ("top_k",)
+#: fields that must be bools
+BOOL_FIELDS = ("ignore_eos", "logprobs")
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Raise TypeError naming the first field whose value has the wrong type.
+
+    Runs before the range checks, which would otherwise fail with a bare comparison error ("'>=' not supported
+    between 'str' and 'int'") that does not say which field is wrong.
+    """
+    name = type(params).__name__
+    for field_name in NUMBER_FIELDS:
+        value = getattr(params, field_name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            default = type(params).__dataclass_fields__[field_name].default
+            raise TypeError(f"{name}.{field_name} must be a number (int or float), got {type(value).__name__} "
+                            f"{value!r}; pass a number, e.g. {field_name}={default!r} (the default)")
+    for field_name in INT_FIELDS:
+        value = getattr(params, field_name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}.{field_name} must be an int, got {type(value).__name__} {value!r}")
+    for field_name in BOOL_FIELDS:
+        value = getattr(params, field_name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}.{field_name} must be True or False, got {type(value).__name__} {value!r}")
 
 
 @dataclass(slots=True)
@@ -46,6 +76,7 @@ class SamplingParams(SamplerParams):
     n: int = 1
 
     def __post_init__(self) -> None:
+        _check_types(self)
         SamplerParams.__post_init__(self)  # zero-arg super() breaks in slotted dataclasses
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")

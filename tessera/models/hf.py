@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tessera.models.config import ModelConfig
 from tessera.models.families import by_model_type
@@ -32,6 +33,16 @@ def read_config(directory: Path) -> tuple[dict, Family, ModelConfig]:
     return hf, family, family.config_from_hf(hf)
 
 
+def open_safetensors(path: Path) -> Any:
+    """``safe_open(path)``; a damaged file raises :class:`CheckpointError` naming it (safetensors' own error, e.g.
+    "Error while deserializing header: invalid header length", does not say which of a checkpoint's shards is bad)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err}); it may be truncated or not a "
+                              "safetensors file at all: download or export it again") from err
+
+
 def tensor_files(directory: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file holding it (single file or an index of shards)."""
     index = directory / "model.safetensors.index.json"
@@ -44,7 +55,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
         return files
     single = directory / "model.safetensors"
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
         raise CheckpointError(f"{directory} holds only pickle checkpoints (.bin/.pt); Tessera reads safetensors only "
@@ -61,8 +72,12 @@ def load_weights(directory: Path, config: ModelConfig, family: Family, dtype: to
             raise CheckpointError(f"tensor {name!r} is missing from {directory} (needed by the {family.name} family)")
         path = files[name]
         if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt")
-        return handles[path].get_tensor(name)
+            handles[path] = open_safetensors(path)
+        try:
+            return handles[path].get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({err}); the file may be truncated: "
+                                  "download or export it again") from err
 
     weights: dict[str, torch.Tensor] = {}
     for spec in family.weight_specs(config):

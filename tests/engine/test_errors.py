@@ -43,8 +43,35 @@ def test_text_prompt_without_tokenizer(make_llm):
 
 
 def test_request_larger_than_the_cache(make_llm):
-    with pytest.raises(ValueError, match="request 0: prompt \\+ max_tokens need 5 KV pages but the cache has 4"):
-        make_llm(num_pages=4).generate([[4] * 10], SamplingParams(max_tokens=10))
+    llm = make_llm(num_pages=4)
+    with pytest.raises(ValueError, match="request 0: prompt \\+ max_tokens need 5 KV pages but the cache has 4 "
+                                         "\\(16 tokens\\); the prompt has 10 tokens, so lower max_tokens to at "
+                                         "most 6"):
+        llm.generate([[4] * 10], SamplingParams(max_tokens=10))
+    assert llm.max_seq_tokens == 16  # what the server derives its default max_tokens limit from
+    assert llm.generate([[4] * 10], SamplingParams(max_tokens=6))[0].finish_reason is not None
+
+
+def test_lone_surrogate_in_a_prompt_is_named(make_llm, tiny_model, monkeypatch):
+    from tests.server.conftest import char_tokenizer
+
+    monkeypatch.setattr(tiny_model, "tokenizer", char_tokenizer())  # the real failure is inside a tokenizer
+    llm = make_llm()
+    with pytest.raises(ValueError, match="request 1: the prompt holds a lone UTF-16 surrogate U\\+D800 at "
+                                         "character 2"):
+        llm.generate(["fine", "ab\ud800c"], SamplingParams(max_tokens=2))
+    assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"temperature": "hot"}, "SamplingParams.temperature must be a number \\(int or float\\), got str 'hot'"),
+    ({"top_p": None}, "SamplingParams.top_p must be a number"),
+    ({"top_k": 3.0}, "SamplingParams.top_k must be an int, got float 3.0"),
+    ({"ignore_eos": "yes"}, "SamplingParams.ignore_eos must be True or False, got str 'yes'"),
+])
+def test_wrong_types_name_the_field(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(**kwargs)
 
 
 def test_top_level_names_as_the_issue_spells_them():
