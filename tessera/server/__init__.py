@@ -2,5 +2,6 @@
 
 from tessera.server.app import create_app
 from tessera.server.engine_loop import EngineLoop
+from tessera.server.graceful import GracefulServer
 
-__all__ = ["EngineLoop", "create_app"]
+__all__ = ["EngineLoop", "GracefulServer", "create_app"]

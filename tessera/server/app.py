@@ -24,6 +24,7 @@ from tessera.server.bridge import ClientGone
 from tessera.server.engine_loop import EngineLoop
 from tessera.server.metrics import ServerMetrics
 from tessera.server.openai_api import ServerSettings, chat_completions, completions
+from tessera.server.validation import validation_error
 
 log = logging.getLogger("tessera.server")
 DEFAULT_MAX_QUEUE = 256
@@ -40,19 +41,37 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_queue:
     ----------
     llm : the engine; once the app has started only its loop thread touches it.
     model_name : the id ``/v1/models`` reports and requests must name (or omit).
-    api_key : when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise).
-    max_queue : requests (choices) that may wait for the running batch; more get 503.
+    api_key : when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise); None serves
+        without one. An empty key is refused (ValueError): it would match a request with no key at all.
+    max_queue : requests (choices) that may wait for a slot in the running batch; a request that would make more
+        wait gets 503.
     max_body_bytes : larger request bodies get 413.
-    max_tokens_limit : largest ``max_tokens`` a request may ask for (400 above); default the model's context.
+    max_tokens_limit : largest ``max_tokens`` a request may ask for (400 above). Default and upper bound: what one
+        sequence can hold after a 1-token prompt, ``llm.max_seq_tokens - 1`` (the context or the whole KV cache,
+        whichever is smaller), so that no ``max_tokens`` under the limit is refused for the cache's size alone.
+
+    Raises
+    ------
+    ValueError
+        An empty ``api_key``, or a ``max_tokens_limit`` below 1 or above what one sequence can hold.
+
+    Notes
+    -----
+    Run the app with :class:`tessera.server.GracefulServer` (as ``tessera serve`` does) so that a shutdown ends
+    each open request with an error chunk or a 503 at the graceful timeout; a plain ASGI server cancels the
+    handlers instead, which cuts their connections.
 
     Examples
     --------
     >>> app = create_app(LLM(), "SmolLM2-135M-Instruct", api_key="secret")
     >>> import uvicorn; uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
     """
+    if api_key is not None and not api_key.strip():
+        raise ValueError(f"the API key is empty ({api_key!r}): it would let in requests that send no key; pass a "
+                         "non-empty key (e.g. `openssl rand -hex 16`), or none to serve without authentication")
     metrics = ServerMetrics()
     engine = EngineLoop(llm, metrics, max_queue)
-    settings = ServerSettings(engine, model_name, max_tokens_limit or llm.max_len, llm.model.chat_template)
+    settings = ServerSettings(engine, model_name, tokens_limit(llm, max_tokens_limit), llm.model.chat_template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +87,21 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_queue:
     _add_routes(app, settings, metrics)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     return app
+
+
+def tokens_limit(llm: LLM, wanted: int | None) -> int:
+    """The server's ``max_tokens`` limit: ``wanted``, or by default the most one sequence can generate after a
+    1-token prompt (``llm.max_seq_tokens - 1``), which is also the most ``wanted`` may be."""
+    most = llm.max_seq_tokens - 1
+    if wanted is None:
+        return most
+    if wanted < 1 or wanted > most:
+        bm = llm.block_manager
+        raise ValueError(f"max_tokens_limit must be in [1, {most}], got {wanted}: one sequence holds "
+                         f"{llm.max_seq_tokens} tokens (the context is {llm.max_len}, the KV cache "
+                         f"{bm.num_pages} pages of {bm.page_size}) and a prompt takes at least one; lower the "
+                         "limit, or give the KV cache more memory (--kv-cache-memory-mib, --num-pages)")
+    return wanted
 
 
 def _add_routes(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
@@ -109,13 +143,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> Response:
         # OpenAI answers malformed bodies with 400 and names the parameter; FastAPI's default is 422 with a list.
-        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first['msg']}"
-        return _error(p.APIError(400, message, param=".".join(loc[:1]) or None))
+        return _error(validation_error(err.errors()))
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, err: HTTPException) -> Response:

@@ -3,6 +3,11 @@
 Each call gets its own ``asyncio.Queue``; the loop thread puts events on it with ``call_soon_threadsafe`` (the only
 thread-safe way into an event loop). Exceptions from the loop become :class:`~tessera.server.protocol.APIError` with
 the status OpenAI's clients expect.
+
+A call given the HTTP request watches the connection on a task of its own: once the body has been read, an ASGI
+server's ``receive()`` returns only when the client disconnects, so the disconnect is seen at once, whether the
+request waits in the queue or decodes, and the engine call is cancelled (its pages freed) without waiting for the
+handler.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ from tessera.server.engine_loop import (
 )
 from tessera.server.protocol import APIError
 
-#: Seconds between checks that a non-streaming client is still connected.
-DISCONNECT_POLL = 0.5
-
-
 class ClientGone(Exception):
     """The HTTP client disconnected before its (non-streaming) answer was ready."""
+
+
+#: What the connection watcher puts on a call's queue when the client has gone.
+_GONE = object()
 
 
 def to_api_error(err: Exception) -> APIError:
@@ -57,6 +62,9 @@ class EngineCall:
     prompt : text or token ids.
     params : one :class:`SamplingParams` per choice.
     fit_max_tokens : let the loop lower ``max_tokens`` to what fits after the prompt.
+    request : the HTTP request, whose body has been read; its connection is watched until the call ends or
+        :meth:`stop_watching` (a disconnect cancels the call and makes ``admitted`` / ``deltas`` raise
+        :class:`ClientGone`).
 
     Raises
     ------
@@ -65,11 +73,13 @@ class EngineCall:
     """
 
     def __init__(self, engine: EngineLoop, prompt: Prompt, params: list[SamplingParams],
-                 fit_max_tokens: bool = False) -> None:
+                 fit_max_tokens: bool = False, request: Request | None = None) -> None:
         self.engine = engine
         self.num_choices = len(params)
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._queue: asyncio.Queue[Event | object] = asyncio.Queue()
         self._done = 0
+        self._watcher: asyncio.Task[None] | None = None
+        self._gone = False  # the watched client disconnected
         aloop = asyncio.get_running_loop()
 
         def sink(event: Event) -> None:
@@ -82,6 +92,8 @@ class EngineCall:
             self._sub = engine.submit(prompt, params, sink, fit_max_tokens)
         except (QueueFull, ShuttingDown) as err:
             raise to_api_error(err) from err
+        if request is not None:
+            self._watcher = aloop.create_task(self._watch(request), name="tessera-disconnect-watch")
 
     @property
     def finished(self) -> bool:
@@ -90,25 +102,23 @@ class EngineCall:
     async def admitted(self) -> int:
         """Wait until the loop validated and queued the request; returns the prompt's token count."""
         try:
-            event = await self._queue.get()
+            event = await self._next()
         except BaseException:  # the handler was cancelled (client gone, server stopping) while queued
             self.cancel()
             raise
         if isinstance(event, Failed):
             self._done = self.num_choices  # nothing of it is queued: nothing to cancel
+            self.stop_watching()
             raise to_api_error(event.error)
         assert isinstance(event, Admitted), event
         return event.prompt_tokens
 
-    async def deltas(self, request: Request | None = None) -> AsyncIterator[Delta]:
-        """Every choice's deltas in arrival order until all have finished.
-
-        With ``request``, the client's connection is checked every :data:`DISCONNECT_POLL` seconds and
-        :class:`ClientGone` is raised when it is gone (a streaming response learns it from Starlette instead).
-        """
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Every choice's deltas in arrival order until all have finished; :class:`ClientGone` when the watched
+        client disconnects."""
         try:
             while not self.finished:
-                event = await self._next(request)
+                event = await self._next()
                 if isinstance(event, Failed):
                     self._done = self.num_choices
                     raise to_api_error(event.error)
@@ -116,20 +126,37 @@ class EngineCall:
                 if event.finish_reason is not None:
                     self._done += 1
                 yield event
+            if self._gone:  # gone while the consumer held a delta: the loop ended without reading _GONE
+                raise ClientGone()
         finally:  # client gone, task cancelled or the consumer stopped early: free the engine's pages
             self.cancel()
 
     def cancel(self) -> None:
+        """Abort every unfinished choice (the loop frees their KV pages) and stop watching the client."""
+        self.stop_watching()
+        self._abort()
+
+    def stop_watching(self) -> None:
+        """Stop watching the connection; a streaming response does it before it starts, because Starlette then
+        listens for the disconnect itself and an ASGI server may hand ``http.disconnect`` to one listener only."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    def _abort(self) -> None:
         if not self.finished:
             self._done = self.num_choices
             self.engine.cancel(self._sub)
 
-    async def _next(self, request: Request | None) -> Event:
-        if request is None:
-            return await self._queue.get()
-        while True:
-            try:
-                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone() from None
+    async def _watch(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # the body was read before the call: nothing else can arrive but the disconnect
+        self._watcher, self._gone = None, True
+        self._abort()  # at once: the handler may be waiting on anything
+        self._queue.put_nowait(_GONE)
+
+    async def _next(self) -> Event:
+        event = await self._queue.get()
+        if event is _GONE:
+            raise ClientGone()
+        return event  # type: ignore[return-value]

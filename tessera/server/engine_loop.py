@@ -6,6 +6,11 @@ tokenizer through ``add_request``) happens on the loop thread. Handlers ``submit
 :class:`Failed`, then :class:`Delta` events (new text, token ids, logprobs) until every choice has finished. The sink
 is called on the loop thread and must only hand the event over (the server's sink does
 ``loop.call_soon_threadsafe(queue.put_nowait, event)``).
+
+Shutdown has two steps. :meth:`EngineLoop.drain` refuses new work and lets open requests run until a deadline, then
+ends every request still queued or running with :class:`Failed` (:class:`ShuttingDown`), so that each handler
+answers its client (an error chunk and ``[DONE]``, or a 503) before the HTTP server would cut the connection.
+:meth:`EngineLoop.shutdown` does the same at once and joins the thread.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from tessera.engine import LLM, SamplingParams
 from tessera.engine.sequence import Sequence
+from tessera.engine.text_check import surrogate_message
 from tessera.server.metrics import ServerMetrics
 
 log = logging.getLogger("tessera.server")
@@ -26,11 +32,11 @@ Prompt = str | list[int]
 
 
 class QueueFull(Exception):
-    """``submit`` found ``max_queue`` or more requests waiting."""
+    """``submit`` found that the request would leave more than ``max_queue`` requests waiting for a running slot."""
 
 
 class ShuttingDown(Exception):
-    """The loop is stopping (or stopped): no new work is accepted and queued work is dropped."""
+    """The loop is draining or stopped: no new work is accepted, and work still open at the deadline is ended."""
 
 
 @dataclass(slots=True)
@@ -116,7 +122,9 @@ class EngineLoop:
     ----------
     llm : the engine; after :meth:`start` no other thread may touch it.
     metrics : where token counts and latencies go (a fresh :class:`ServerMetrics` when None).
-    max_queue : :meth:`submit` raises :class:`QueueFull` when this many requests (choices) already wait.
+    max_queue : requests (choices) that may wait for a slot in the running batch; :meth:`submit` raises
+        :class:`QueueFull` for a request that would make more wait. Requests that will run at the next step (the
+        batch has a free slot for them, ``max_num_seqs`` less those running) do not count as waiting.
 
     Examples
     --------
@@ -131,12 +139,15 @@ class EngineLoop:
         self.llm = llm
         self.metrics = metrics or ServerMetrics()
         self.max_queue = max_queue
+        self._max_running = llm.scheduler.max_num_seqs
         self._cond = threading.Condition()
         self._inbox: list[Submission] = []
         self._cancels: list[Submission] = []
         self._in_transit = 0  # choices submitted but not yet in the engine's waiting queue (or rejected)
         self._engine_waiting = 0
         self._paused = False
+        self._draining = False  # drain() was called: submit refuses new work
+        self._deadline: float | None = None  # time.monotonic() at which a drain ends what is still open
         self._stopping = False
         self._live: dict[int, _Live] = {}  # seq_id -> progress; loop thread only
         self._stats: dict[str, float] = dict(llm.stats())
@@ -157,22 +168,30 @@ class EngineLoop:
         Raises
         ------
         QueueFull
-            ``max_queue`` or more requests are already waiting (the caller answers 503).
+            With this request more than ``max_queue`` requests would wait for a running slot (the caller answers
+            503).
         ShuttingDown
-            :meth:`shutdown` was called.
+            :meth:`drain` or :meth:`shutdown` was called.
         """
         sub = Submission(prompt, list(params), sink, fit_max_tokens)
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise ShuttingDown("the server is shutting down")
-            waiting = self._in_transit + self._engine_waiting
-            if waiting >= self.max_queue:
+            waiting = self._waiting_after(len(params))
+            if waiting > self.max_queue:
                 self.metrics.inc("requests_rejected_total", len(params), reason="queue_full")
-                raise QueueFull(f"{waiting} requests are waiting and the queue holds {self.max_queue}; retry later")
+                raise QueueFull(f"{waiting - len(params)} requests are waiting for a running slot and the queue "
+                                f"holds {self.max_queue}; retry later")
             self._in_transit += len(params)
             self._inbox.append(sub)
             self._cond.notify()
         return sub
+
+    def _waiting_after(self, choices: int) -> int:
+        """Requests that would wait for a running slot once ``choices`` more arrive (lock held): everything not yet
+        running, less the free slots of the running batch, which the next step fills."""
+        free = max(0, self._max_running - int(self._stats["num_running"]))
+        return max(0, self._in_transit + self._engine_waiting + choices - free)
 
     def cancel(self, sub: Submission) -> None:
         """Abort every unfinished choice of ``sub`` (a client went away); their KV pages are freed."""
@@ -196,9 +215,19 @@ class EngineLoop:
         with self._cond:
             return {**self._stats, "queue_length": self._in_transit + self._engine_waiting}
 
+    def drain(self, timeout: float | None) -> None:
+        """Begin a graceful shutdown: refuse new work (:class:`ShuttingDown`) and let open requests go on; after
+        ``timeout`` seconds (never, when None) end every request still queued or running as :meth:`shutdown`
+        does, without stopping the thread."""
+        with self._cond:
+            self._draining = True
+            if timeout is not None:
+                self._deadline = time.monotonic() + max(0.0, timeout)
+            self._cond.notify()
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop accepting work, abort what is queued or running (each choice ends with finish reason "abort";
-        submissions not yet admitted get :class:`Failed` with :class:`ShuttingDown`) and join the thread."""
+        """Stop accepting work, end every request queued or running with :class:`Failed` (:class:`ShuttingDown`;
+        its choices are aborted, their pages freed, and counted with finish reason "abort"), and join the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -208,20 +237,30 @@ class EngineLoop:
                 log.warning("engine loop did not stop within %s s (a step is still running)", timeout)
 
     # ------------------------------------------------------------------------------ loop thread
+    def _until_deadline(self) -> float | None:
+        """Seconds until the drain deadline (lock held); None without one, 0 once it passed."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._cancels or self._stopping
+                while not (self._inbox or self._cancels or self._stopping or self._until_deadline() == 0
                            or (not self._paused and self.llm.has_unfinished())):
-                    self._cond.wait()
+                    self._cond.wait(self._until_deadline())
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 stopping, paused = self._stopping, self._paused
+                expired = self._until_deadline() == 0
+                if expired:
+                    self._deadline = None  # ended once; draining still refuses new work
             if stopping:
                 self._stop(inbox)
                 return
             try:
-                self._iterate(inbox, cancels, paused)
+                if expired:
+                    self._end_all(inbox)
+                else:
+                    self._iterate(inbox, cancels, paused)
             except Exception as err:  # a bug here must fail requests, not kill the thread and hang every client
                 log.exception("engine loop iteration failed; failing the requests in flight")
                 self._fail_all(err)
@@ -266,12 +305,14 @@ class EngineLoop:
     def _tokenize(self, prompt: Prompt) -> list[int]:
         # Tokenized here (not by add_request) so that fit_max_tokens knows the length; same tokenizer call.
         if isinstance(prompt, str) and self.llm.tokenizer is not None:
+            bad_text = surrogate_message(prompt, "the prompt")
+            if bad_text is not None:  # the tokenizer's own error ("TextInputSequence must be str") says nothing
+                raise ValueError(bad_text)
             return self.llm.tokenizer.encode(prompt).ids
         return prompt  # token ids, or a text prompt the engine will refuse with its own message
 
     def _fit(self, params: list[SamplingParams], prompt_len: int) -> list[SamplingParams]:
-        bm = self.llm.block_manager
-        room = min(self.llm.max_len, bm.num_pages * bm.page_size) - prompt_len
+        room = self.llm.max_seq_tokens - prompt_len
         return [dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, room))) for p in params]
 
     def _cancel(self, sub: Submission) -> None:
@@ -332,6 +373,8 @@ class EngineLoop:
         return str(token_id) if tok is None else tok.decode([token_id], skip_special_tokens=False)
 
     def _fail_all(self, err: Exception) -> None:
+        """End every live request with ``err``: abort its choices (pages freed, each counted as finished) and send
+        its submission one :class:`Failed`."""
         subs = {id(live.sub): live.sub for live in self._live.values()}
         for live in list(self._live.values()):
             if not live.seq.is_finished:
@@ -339,17 +382,20 @@ class EngineLoop:
                     self.llm.abort(live.seq)
                 except Exception:  # the scheduler may be inconsistent after a failed step: free the rest
                     log.exception("abort after a failed step failed")
+            self.metrics.inc("requests_finished_total", finish_reason=live.seq.finish_reason or "abort")
         self._live.clear()
         for sub in subs.values():
             sub.sink(Failed(err))
 
-    def _stop(self, inbox: list[Submission]) -> None:
+    def _end_all(self, inbox: list[Submission]) -> None:
+        """Shutdown's end of every open request: not yet admitted (``inbox``), queued in the engine, or running."""
+        err = ShuttingDown("the server is shutting down")
         for sub in inbox:
-            sub.sink(Failed(ShuttingDown("the server is shutting down")))
-        for live in list(self._live.values()):
-            if not live.seq.is_finished:
-                self.llm.abort(live.seq)
-            self._emit(live)
+            sub.sink(Failed(err))
+        self._fail_all(err)
+
+    def _stop(self, inbox: list[Submission]) -> None:
+        self._end_all(inbox)
         with self._cond:
             self._in_transit = 0
         self._publish_stats(admitted=0)

@@ -75,15 +75,16 @@ def _limit(settings: ServerSettings, max_tokens: int | None, param: str) -> int:
     return settings.max_tokens_limit if max_tokens is None else max_tokens
 
 
-async def _prepare(settings: ServerSettings, prompt: Prompt, params: list[SamplingParams],
-                   fit: bool) -> tuple[EngineCall, int]:
-    call = EngineCall(settings.engine, prompt, params, fit_max_tokens=fit)
+async def _prepare(settings: ServerSettings, prompt: Prompt, params: list[SamplingParams], fit: bool,
+                   request: Request) -> tuple[EngineCall, int]:
+    """Submit and wait for admission, watching the client's connection all the while (a disconnect cancels)."""
+    call = EngineCall(settings.engine, prompt, params, fit_max_tokens=fit, request=request)
     return call, await call.admitted()
 
 
-async def _collect(call: EngineCall, request: Request) -> list[Choice]:
+async def _collect(call: EngineCall) -> list[Choice]:
     choices = [Choice() for _ in range(call.num_choices)]
-    async for d in call.deltas(request):
+    async for d in call.deltas():
         c = choices[d.index]
         c.text += d.text
         c.token_ids += d.token_ids
@@ -120,6 +121,7 @@ class EngineStream(StreamingResponse):
         super().__init__(_sse_stream(events), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.call = call
+        call.stop_watching()  # Starlette's own listener watches the connection from here on
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -137,12 +139,12 @@ async def completions(settings: ServerSettings, req: p.CompletionRequest, reques
     wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _sampling(req, _limit(settings, wanted, "max_tokens"), logprobs=req.logprobs is not None,
                        top=req.logprobs or 0)
-    call, prompt_tokens = await _prepare(settings, req.prompt, params, fit=False)
+    call, prompt_tokens = await _prepare(settings, req.prompt, params, fit=False, request=request)
     rid, created = p.new_id("cmpl"), p.now()
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStream(call, _completion_chunks(call, settings.model_name, rid, created, prompt_tokens, usage))
-    choices = await _collect(call, request)
+    choices = await _collect(call)
     return p.CompletionResponse(
         id=rid, created=created, model=settings.model_name,
         choices=[p.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
@@ -202,13 +204,13 @@ async def chat_completions(settings: ServerSettings, req: p.ChatCompletionReques
         prompt = render_chat(settings.chat_template, [{"role": m.role, "content": m.text()} for m in req.messages])
     except Exception as err:  # the template is the checkpoint's code: any error it raises means a bad conversation
         raise p.APIError(400, f"The chat template refused the messages: {err}", param="messages") from err
-    call, prompt_tokens = await _prepare(settings, prompt, params, fit=limit is None)
+    call, prompt_tokens = await _prepare(settings, prompt, params, fit=limit is None, request=request)
     rid, created = p.new_id("chatcmpl"), p.now()
     top = req.top_logprobs or 0
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStream(call, _chat_chunks(call, settings.model_name, rid, created, prompt_tokens, usage, top))
-    choices = await _collect(call, request)
+    choices = await _collect(call)
     return p.ChatCompletionResponse(
         id=rid, created=created, model=settings.model_name,
         choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,

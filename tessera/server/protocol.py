@@ -3,15 +3,32 @@
 Only what the server implements is modelled. Fields OpenAI defines that we cannot honour (``echo``, ``logit_bias``,
 ``tools``, ...) are accepted only at their "off" value, so a client never silently gets something it did not ask for;
 unknown extra fields are ignored, as OpenAI's own server does for forward compatibility.
+
+Types are strict, as OpenAI's are: ``"0.5"`` is not a number, ``"yes"`` or ``1`` not a boolean, ``true`` or ``3.0`` not
+an integer (pydantic's lax mode would accept all of these). A JSON integer is a valid number.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+
+from tessera.engine.text_check import surrogate_message
 
 #: Most choices one request may ask for (each is an engine request).
 MAX_N = 64
@@ -43,7 +60,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(_Request):
@@ -51,20 +68,20 @@ class SamplingFields(_Request):
     ``ignore_eos`` are vLLM's extensions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)  # what torch.Generator accepts, for seed + i
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)  # what torch.Generator accepts, for seed + i
     user: str | None = None
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    ignore_eos: bool = False
+    top_k: StrictInt = Field(0, ge=-1)
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0)
+    ignore_eos: StrictBool = False
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
@@ -87,12 +104,23 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of one string, or token ids (a list of ints, or a list of
     one list of ints); batches of several prompts are refused (send one request each, or use ``n``)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # pydantic reports a union mismatch per member ("prompt.str: Input should be a valid string", ...), which
+        # hides what a prompt may be; one message that lists the shapes says it
+        try:
+            return handler(prompt)
+        except ValidationError:
+            raise ValueError("prompt must be a string, a list of one string, a list of token ids (integers), or a "
+                             f"list of one such list; got {describe(prompt)}") from None
 
     @field_validator("prompt")
     @classmethod
@@ -101,6 +129,8 @@ class CompletionRequest(SamplingFields):
             if len(prompt) != 1:
                 raise ValueError(f"a list of {len(prompt)} prompts is not supported; send one prompt per request")
             prompt = prompt[0]
+        if isinstance(prompt, str):
+            _check_text(prompt, "the prompt")
         return prompt
 
     @field_validator("echo")
@@ -128,6 +158,15 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _valid_content(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        if isinstance(content, str):
+            _check_text(content, "the content")
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            _check_text(part.text, f"content part {i}")
+        return content
+
     def text(self) -> str:
         """The content as one string (text parts joined, as OpenAI does)."""
         if isinstance(self.content, list):
@@ -143,12 +182,21 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``; the messages are rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        # OpenAI's rule: "logprobs must be set to true if this parameter is used"; ignoring it silently would
+        # return no logprobs to a client that asked for some
+        if top is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs needs logprobs: true; send both, or omit top_logprobs")
+        return top
 
     @field_validator("tools")
     @classmethod
@@ -161,6 +209,26 @@ class ChatCompletionRequest(SamplingFields):
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (the current name) or else ``max_tokens`` (the deprecated one)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def describe(value: Any) -> str:
+    """``value`` as a client wrote it: its JSON type and (shortened) JSON text, e.g. ``the string "0.5"``."""
+    kind = {bool: "the boolean", int: "the integer", float: "the number", str: "the string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    if value is None:
+        return kind
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _check_text(text: str, where: str) -> str:
+    message = surrogate_message(text, where)
+    if message is not None:
+        raise ValueError(message)
+    return text
 
 
 # ----------------------------------------------------------------------------------------------- responses

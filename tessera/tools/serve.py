@@ -32,11 +32,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--num-pages", type=int, help="KV pages (default: from --kv-cache-memory-mib)")
     p.add_argument("--kv-cache-memory-mib", type=int, default=256, help="KV cache size when --num-pages is unset")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of shared prompt prefixes")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests at most; more get 503")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests (choices) waiting for a slot in the running batch at most; more get 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens allowed (default: the context length)")
+    p.add_argument("--max-tokens-limit", type=int,
+                   help="largest max_tokens allowed (default and most: what one sequence can hold after a 1-token "
+                        "prompt, the context or the KV cache, whichever is smaller)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
-                   help="seconds to let open requests finish on shutdown before aborting them")
+                   help="seconds to let open requests finish on shutdown; then each gets an error chunk or a 503")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=_run)
 
@@ -51,12 +54,24 @@ def model_name(path: str | Path | None) -> str:
     return path.stem if path.is_file() else path.resolve().name
 
 
+def check_api_key(key: str | None) -> None:
+    """Refuse an empty key (``--api-key ""``, or ``TESSERA_API_KEY`` exported but empty): it would match requests
+    that send no key, so authentication would be off while the flag says it is on."""
+    if key is not None and not key.strip():
+        raise ValueError(f"the API key is empty (--api-key or ${API_KEY_ENV} is {key!r}), which would turn "
+                         f"authentication off; pass a non-empty key (e.g. `openssl rand -hex 16`), or unset "
+                         f"{API_KEY_ENV} and drop --api-key to serve without one")
+
+
 def make_server(args: argparse.Namespace) -> Any:
-    """The configured ``uvicorn.Server`` (model loaded, not yet running); ``server.run()`` serves."""
+    """The configured :class:`tessera.server.GracefulServer` (model loaded, not yet running); ``server.run()``
+    serves. Raises ValueError for an empty API key before loading anything."""
     import uvicorn
 
     from tessera.engine import LLM
-    from tessera.server import create_app
+    from tessera.server import GracefulServer, create_app
+
+    check_api_key(args.api_key)
 
     llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
@@ -67,7 +82,7 @@ def make_server(args: argparse.Namespace) -> Any:
                      max_tokens_limit=args.max_tokens_limit)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_timeout, lifespan="on")
-    return uvicorn.Server(config)
+    return GracefulServer(config, app.state.engine)
 
 
 def _exposed(host: str) -> bool:
@@ -78,6 +93,7 @@ def _exposed(host: str) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_api_key(args.api_key)  # before the warning below, which an empty key would also trigger
     if _exposed(args.host) and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)

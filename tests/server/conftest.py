@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from tessera.engine import LLM
 from tessera.models import load_model
-from tessera.server import EngineLoop, create_app
+from tessera.server import EngineLoop, GracefulServer, create_app
 from tests.models.helpers import save_tiny
 
 MODEL_NAME = "tiny-llama"
@@ -72,10 +72,11 @@ class Running:
 
 @contextmanager
 def run_server(app) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free local port (port 0) on a daemon thread; yields the base URL."""
+    """Serve ``app`` as ``tessera serve`` does (:class:`GracefulServer`) on a free local port (port 0) on a daemon
+    thread; yields the base URL."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
                             timeout_graceful_shutdown=5)
-    with run_uvicorn(uvicorn.Server(config)) as url:
+    with run_uvicorn(GracefulServer(config, app.state.engine)) as url:
         yield url
 
 

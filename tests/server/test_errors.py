@@ -15,6 +15,12 @@ from tests.server.conftest import MODEL_NAME
 OK = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
 
 
+def post_json(url: str, body: dict) -> httpx2.Response:
+    """POST ``body`` as JSON with ASCII escapes, as most clients send it (and the only way to send a lone
+    surrogate, which UTF-8 cannot encode)."""
+    return httpx2.post(url, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
 def check_error(response: httpx2.Response, status: int, code: str | None = None, param: str | None = None) -> str:
     assert response.status_code == status, response.text
     body = response.json()
@@ -39,10 +45,28 @@ def check_error(response: httpx2.Response, status: int, code: str | None = None,
     ({**OK, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**OK, "seed": 2**70}, "seed", "less than"),
+    # strict types, as OpenAI's: no numbers in strings, no booleans as numbers, no floats as integers
+    ({**OK, "temperature": "0.5"}, "temperature", 'valid number, got the string "0.5"'),
+    ({**OK, "temperature": True}, "temperature", "got the boolean true"),
+    ({**OK, "stream": "yes"}, "stream", 'valid boolean, got the string "yes"'),
+    ({**OK, "stream": 1}, "stream", "valid boolean, got the integer 1"),
+    ({**OK, "max_tokens": True}, "max_tokens", "valid integer, got the boolean true"),
+    ({**OK, "max_tokens": 3.0}, "max_tokens", "valid integer, got the number 3.0"),
+    ({**OK, "n": "2"}, "n", "valid integer"),
+    ({**OK, "logprobs": 1.0}, "logprobs", "valid integer"),
+    ({**OK, "stream_options": {"include_usage": "true"}}, "stream_options", "valid boolean"),
+    ({**OK, "prompt": [1.0, 2.0]}, "prompt", "a list of token ids (integers)"),
+    ({**OK, "prompt": {"text": "hi"}}, "prompt", "got an object"),
+    ({**OK, "prompt": "ab\ud800c"}, "prompt", "lone UTF-16 surrogate U+D800 at character 2"),
 ])
 def test_bad_fields_are_400(server, body, param, words):
-    message = check_error(httpx2.post(f"{server.url}/v1/completions", json=body), 400, param=param)
+    message = check_error(post_json(f"{server.url}/v1/completions", body), 400, param=param)
     assert words in message
+
+
+def test_a_json_integer_is_a_number(server):
+    response = httpx2.post(f"{server.url}/v1/completions", json={**OK, "temperature": 0, "top_p": 1})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(("body", "words"), [
@@ -56,10 +80,30 @@ def test_bad_chat_requests_are_400(server, body, words):
     assert words in check_error(httpx2.post(f"{server.url}/v1/chat/completions", json=body), 400)
 
 
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"messages": USER, "logprobs": "true"}, "logprobs", 'valid boolean, got the string "true"'),
+    ({"messages": USER, "max_completion_tokens": 2.5}, "max_completion_tokens", "valid integer"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"messages": USER, "logprobs": False, "top_logprobs": 0}, "top_logprobs", "needs logprobs: true"),
+    ({"messages": [{"role": "user", "content": "x\udc00"}]}, "messages", "lone UTF-16 surrogate U+DC00"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, "messages",
+     "content part 0 holds a lone UTF-16 surrogate U+D83D at character 0"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "messages.0.content: Input should be"),
+])
+def test_bad_chat_fields_name_the_param(server, body, param, words):
+    response = post_json(f"{server.url}/v1/chat/completions", {"model": MODEL_NAME, **body})
+    assert words in check_error(response, 400, param=param)
+
+
 def test_malformed_json_is_400(server):
     response = httpx2.post(f"{server.url}/v1/completions", content=b'{"prompt": "hi",',
                            headers={"Content-Type": "application/json"})
-    assert "JSON" in check_error(response, 400)
+    message = check_error(response, 400)
+    assert response.json()["error"]["param"] is None  # a character offset is not a parameter
+    assert "not valid JSON" in message and "at character 16" in message
 
 
 def test_unknown_model_is_404(server, client):
@@ -110,6 +154,44 @@ def test_body_limit_is_413(server):
     check_error(response, 413)
 
 
+def test_default_max_tokens_limit_is_what_the_kv_cache_holds(make_server):
+    # 16 pages of 4 tokens hold 64 tokens, fewer than the 256-token context: the limit is 63, and every max_tokens
+    # up to it is served (a 400 about KV pages below the limit was the inconsistency)
+    with make_server(max_tokens_limit=None, llm_kwargs={"num_pages": 16}) as running:
+        assert running.app.state.settings.max_tokens_limit == 63
+        url = f"{running.url}/v1/completions"
+        message = check_error(httpx2.post(url, json={**OK, "prompt": "x", "max_tokens": 64}), 400, param="max_tokens")
+        assert "ask for at most 63" in message
+        done = httpx2.post(url, json={**OK, "prompt": "x", "max_tokens": 63, "ignore_eos": True}, timeout=60)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 63
+
+
+def test_max_tokens_limit_above_the_kv_cache_is_refused_at_start(tiny_model):
+    from tessera.engine import LLM
+    from tessera.server import create_app
+
+    llm = LLM(tiny_model, page_size=4, num_pages=16)
+    with pytest.raises(ValueError, match=r"max_tokens_limit must be in \[1, 63\], got 100: one sequence holds 64 "
+                                         r"tokens \(the context is 256, the KV cache 16 pages of 4\)"):
+        create_app(llm, MODEL_NAME, max_tokens_limit=100)
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_empty_api_key_is_refused_at_start(tiny_model, key, monkeypatch, capsys):
+    from tessera.cli import main
+    from tessera.engine import LLM
+    from tessera.server import create_app
+
+    with pytest.raises(ValueError, match="the API key is empty"):
+        create_app(LLM(tiny_model, page_size=4, num_pages=16), MODEL_NAME, api_key=key)
+    assert main(["serve", "--model", "/nonexistent", "--api-key", key]) == 2  # refused before loading the model
+    assert "the API key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("TESSERA_API_KEY", key)  # exported but empty: the flag's default
+    assert main(["serve", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "the API key is empty" in err and "TESSERA_API_KEY" in err
+
+
 def test_api_key(make_server):
     with make_server(api_key="s3cret") as running:
         url = f"{running.url}/v1/completions"
@@ -124,26 +206,47 @@ def test_api_key(make_server):
 
 
 def test_full_queue_is_503(make_server):
-    with make_server(max_queue=2) as running:
+    # one running slot and a queue of 2: three requests are taken (the one to run and two waiting), not two
+    with make_server(max_queue=2, llm_kwargs={"max_num_seqs": 1}) as running:
         running.engine.pause()
         results: list[int] = []
         threads = [threading.Thread(target=lambda: results.append(
-            httpx2.post(f"{running.url}/v1/completions", json=OK, timeout=30).status_code)) for _ in range(2)]
-        for t in threads:
+            httpx2.post(f"{running.url}/v1/completions", json=OK, timeout=30).status_code)) for _ in range(3)]
+        for i, t in enumerate(threads):
             t.start()
-        deadline = time.monotonic() + 10
-        while running.engine.stats()["queue_length"] < 2:
-            assert time.monotonic() < deadline, running.engine.stats()
-            time.sleep(0.01)
-        check_error(httpx2.post(f"{running.url}/v1/completions", json=OK), 503, code="queue_full")
+            deadline = time.monotonic() + 10
+            while running.engine.stats()["queue_length"] < i + 1:
+                assert time.monotonic() < deadline, (running.engine.stats(), results)
+                time.sleep(0.01)
+        message = check_error(httpx2.post(f"{running.url}/v1/completions", json=OK), 503, code="queue_full")
+        assert "2 requests are waiting for a running slot and the queue holds 2" in message
         check_error(httpx2.post(f"{running.url}/v1/completions", json={**OK, "n": 3}), 503)
         running.engine.resume()
         for t in threads:
             t.join(30)
-        assert results == [200, 200]
+        assert results == [200, 200, 200]
         assert httpx2.post(f"{running.url}/v1/completions", json=OK).status_code == 200
         metrics = httpx2.get(f"{running.url}/metrics").text
         assert 'tessera_requests_rejected_total{reason="queue_full"} 4' in metrics
+
+
+def test_queue_counts_only_requests_without_a_running_slot(make_server):
+    # the probe's case: 6 at once through 1 slot and a queue of 2 serve 3 (before: 2, the one about to run counted)
+    with make_server(max_queue=2, llm_kwargs={"max_num_seqs": 1}) as running:
+        running.engine.pause()  # nothing finishes while the six arrive: the count is deterministic
+        statuses: list[int] = []
+        threads = [threading.Thread(target=lambda: statuses.append(
+            httpx2.post(f"{running.url}/v1/completions", json=OK, timeout=30).status_code)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while statuses.count(503) < 3:
+            assert time.monotonic() < deadline, (statuses, running.engine.stats())
+            time.sleep(0.01)
+        running.engine.resume()
+        for t in threads:
+            t.join(30)
+        assert sorted(statuses) == [200, 200, 200, 503, 503, 503]
 
 
 def test_engine_failure_fails_requests_not_the_server(server, monkeypatch):
