@@ -18,7 +18,7 @@ from starlette.responses import StreamingResponse
 from tessera.engine import SamplingParams
 from tessera.engine.chat import render_chat
 from tessera.server import protocol as p
-from tessera.server.bridge import EngineCall
+from tessera.server.bridge import ClientGone, EngineCall
 from tessera.server.engine_loop import EngineLoop, Prompt
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
@@ -106,6 +106,8 @@ async def _sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[st
             yield _sse(payload)
     except p.APIError as err:
         yield _sse(err.body())
+    except ClientGone:  # the client left before the stream started: nobody to write to
+        return
     yield "data: [DONE]\n\n"
 
 
