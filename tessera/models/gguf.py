@@ -3,8 +3,9 @@
 The header is parsed by :mod:`tessera.models.gguf_reader` and the tensor data stays memory-mapped: only what must
 be float is de-quantized (:mod:`tessera.models.gguf_dequant`), and F32 tensors loaded as float32 are views of the
 mapped file. Its metadata becomes a Hugging Face-style config dict that the family module turns into a
-:class:`ModelConfig`, so a GGUF model and the same model's safetensors directory share every line after the reader. Tensors are renamed to the Hugging Face checkpoint names the family's
-:class:`WeightSpec` list asks for and assembled the same way (q|k|v and gate|up fused).
+:class:`ModelConfig`, so a GGUF model and the same model's safetensors directory share every line after the reader.
+Tensors are renamed to the Hugging Face checkpoint names the family's :class:`WeightSpec` list asks for and assembled
+the same way (q|k|v and gate|up fused).
 
 Two things differ from a safetensors checkpoint:
 
@@ -22,12 +23,14 @@ Two things differ from a safetensors checkpoint:
 from __future__ import annotations
 
 import re
+import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 
@@ -35,13 +38,14 @@ from tessera.kernels.quant import QuantizedWeight, from_gguf
 from tessera.models.config import ModelConfig
 from tessera.models.families import all_families
 from tessera.models.families.common import Family, WeightSpec
+from tessera.models.ggml_types import GGMLType
 from tessera.models.gguf_dequant import dequantize
 from tessera.models.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
-from tessera.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer
+from tessera.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer_quietly
 from tessera.models.hf import CheckpointError, check_shapes
 from tessera.models.model import Model
 
-_T = gguf.GGMLQuantizationType
+_T = GGMLType
 _FLOAT_TYPES = (_T.F32, _T.F16, _T.BF16)
 _PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # what from_gguf holds without changing a value
 _STORED_AS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
@@ -73,7 +77,7 @@ _ALWAYS_FLOAT = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backend: str = "auto", *,
-              keep_quantized: bool | None = None) -> Model:
+              keep_quantized: bool | None = None, timings: dict[str, float] | None = None) -> Model:
     """Read a GGUF file: config, weights under canonical names, tokenizer and chat template.
 
     Parameters
@@ -91,6 +95,9 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         projection must stay packed, any other type raises. False: all are dequantized to ``torch_dtype`` (the
         weights transformers computes with). The embedding table and norms are always dequantized; unless False, a
         Q4_0 / Q4_1 / Q8_0 output table (the embedding, when tied) is also kept packed for the lm_head.
+    timings : dict, optional
+        Filled with the seconds each step took: ``header`` (metadata and tensor index), ``weights`` and
+        ``tokenizer`` (these two run at the same time).
 
     Returns
     -------
@@ -104,12 +111,32 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         Missing file, not a GGUF file or a malformed header (the message names the field), unsupported
         architecture / quantization type, missing or misshapen tensor.
     """
+    steps: dict[str, float] = {}
+    start = time.perf_counter()
     reader = open_reader(path)
     meta = read_metadata(reader)
     tensors = reader.tensor_index
+    steps["header"] = time.perf_counter() - start
     arch, family, config = config_from_gguf(meta, tensors, path)
-    weights = load_weights(tensors, config, family, arch, torch_dtype, keep_quantized)
-    return Model(config, weights, _tokenizer(meta, path), meta.get("tokenizer.chat_template"), backend)
+    # The tokenizer builds on a thread while the weights are gathered: tokenizers works in Rust and numpy copies
+    # without the GIL, so the two overlap (SmolLM2: ~0.1 s each).
+    with ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
+        building = pool.submit(_timed, steps, "tokenizer", _tokenizer, meta)
+        weights = _timed(steps, "weights", load_weights, tensors, config, family, arch, torch_dtype, keep_quantized)
+        tokenizer, notes = building.result()
+    for note in notes:  # warned here, on the caller's thread, and only once the weights loaded
+        warnings.warn(f"{path}: {note}", stacklevel=2)
+    if timings is not None:
+        timings.update(steps)
+    return Model(config, weights, tokenizer, meta.get("tokenizer.chat_template"), backend)
+
+
+def _timed(steps: dict[str, float], name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        steps[name] = time.perf_counter() - start
 
 
 def open_reader(path: str | Path) -> GGUFFile:
@@ -365,9 +392,9 @@ def _assemble(spec: WeightSpec, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def _tokenizer(meta: dict[str, Any], path: str | Path) -> Any:
+def _tokenizer(meta: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The file's tokenizer (None when it cannot be rebuilt) and what to warn about."""
     try:
-        return build_tokenizer(meta)
+        return build_tokenizer_quietly(meta)
     except UnsupportedTokenizer as err:
-        warnings.warn(f"{path}: no tokenizer ({err})", stacklevel=3)
-        return None
+        return None, [f"no tokenizer ({err})"]

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tessera.models.ggml_types import BLOCK_SIZES, GGMLType
 
 MAGIC = b"GGUF"
 #: versions 2 and 3 share one layout (64-bit counts and lengths); version 1 used 32-bit ones
@@ -51,10 +52,8 @@ _MIN_BYTES = {**{t: struct.calcsize(fmt) for t, (_, fmt) in _SCALARS.items()}, _
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
 _MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset (a 0-d tensor, empty name)
 # Types gguf-py reads as typed arrays; every other type is kept as its raw bytes (uint8), as gguf-py does.
-_ELEMENT_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                   GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-                   GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-                   GGMLQuantizationType.I64: np.int64}
+_ELEMENT_DTYPES = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.F64: np.float64, GGMLType.I8: np.int8,
+                   GGMLType.I16: np.int16, GGMLType.I32: np.int32, GGMLType.I64: np.int64}
 
 
 class GGUFFormatError(ValueError):
@@ -68,7 +67,7 @@ class TensorInfo:
     Attributes
     ----------
     name : str
-    tensor_type : GGMLQuantizationType
+    tensor_type : GGMLType
     ne : tuple[int, ...]
         Dimensions as GGUF lists them, fastest-varying first (``ne = (K, N)`` for an ``[N, K]`` matrix).
     offset : int
@@ -80,7 +79,7 @@ class TensorInfo:
     """
 
     name: str
-    tensor_type: GGMLQuantizationType
+    tensor_type: GGMLType
     ne: tuple[int, ...]
     offset: int
     n_bytes: int
@@ -212,11 +211,11 @@ class _Parser:
     def _tensor(self, name: str, ne: tuple[int, ...], type_id: int, offset: int, data_offset: int,
                 alignment: int) -> TensorInfo:
         try:
-            qtype = GGMLQuantizationType(type_id)
-            block, type_size = GGML_QUANT_SIZES[qtype]
+            qtype = GGMLType(type_id)
+            block, type_size = BLOCK_SIZES[qtype]
         except (ValueError, KeyError):
             raise GGUFFormatError(f"{self.path}: tensor {name!r} has ggml type {type_id}, which is not a known "
-                                  "type (gguf-py lists the known ones in GGMLQuantizationType)") from None
+                                  f"type (known: {[t.name for t in GGMLType]})") from None
         row = ne[0] if ne else 1
         if row % block:
             raise GGUFFormatError(f"{self.path}: tensor {name!r} ({qtype.name}) has rows of {row} values, not a "

@@ -94,6 +94,16 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     UnsupportedTokenizer
         When the file has no tokenizer or one other than byte-level BPE (``"gpt2"``).
     """
+    tokenizer, notes = build_tokenizer_quietly(meta)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return tokenizer
+
+
+def build_tokenizer_quietly(meta: dict[str, Any]) -> tuple[Tokenizer, list[str]]:
+    """:func:`build_tokenizer`, returning what it would warn about instead of warning: for a caller that builds the
+    tokenizer on another thread (``warnings`` filters are process-wide, and a warning raised there would point into
+    the thread pool) and warns on its own thread."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise UnsupportedTokenizer(f"GGUF tokenizer model {kind!r} cannot be rebuilt; supported: ['gpt2'] "
@@ -101,11 +111,13 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
         if key not in meta:
             raise UnsupportedTokenizer(f"GGUF byte-level BPE tokenizer lacks {key!r}; the file is incomplete")
-    return Tokenizer.from_str(json.dumps(tokenizer_document(meta)))
+    notes: list[str] = []
+    return Tokenizer.from_str(json.dumps(tokenizer_document(meta, notes))), notes
 
 
-def tokenizer_document(meta: dict[str, Any]) -> dict[str, Any]:
-    """The ``tokenizer.json`` document (as a dict) equivalent to the file's byte-level BPE tokenizer."""
+def tokenizer_document(meta: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
+    """The ``tokenizer.json`` document (as a dict) equivalent to the file's byte-level BPE tokenizer; what deserves a
+    warning (an unknown pre-tokenizer) is appended to ``notes``, or warned when ``notes`` is None."""
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     vocab = {byte_level_spelling(token): index for index, token in enumerate(tokens)}
@@ -118,7 +130,7 @@ def tokenizer_document(meta: dict[str, Any]) -> dict[str, Any]:
         "padding": None,
         "added_tokens": added,
         "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default"))),
+        "pre_tokenizer": _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")), notes),
         "post_processor": _post_processor(meta, tokens),
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
@@ -136,15 +148,18 @@ def _merges(merges: list[str]) -> list[str]:
     return merges
 
 
-def _pre_tokenizer(pre: str) -> dict[str, Any]:
+def _pre_tokenizer(pre: str, notes: list[str] | None) -> dict[str, Any]:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     if pre in _SPLITS:
         split = {"type": "Split", "pattern": {"Regex": _SPLITS[pre]}, "behavior": "Isolated", "invert": False}
         return {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
     if pre not in _GPT2_DEFAULT:
-        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known to Tessera; splitting text with GPT-2's pattern "
-                      f"(known: {sorted(set(_SPLITS) | set(_GPT2_DEFAULT) - {''})}). Ids may differ from llama.cpp's",
-                      stacklevel=3)
+        note = (f"GGUF pre-tokenizer {pre!r} is not known to Tessera; splitting text with GPT-2's pattern "
+                f"(known: {sorted(set(_SPLITS) | set(_GPT2_DEFAULT) - {''})}). Ids may differ from llama.cpp's")
+        if notes is None:
+            warnings.warn(note, stacklevel=3)
+        else:
+            notes.append(note)
     if pre in _DIGIT_SPLIT:
         return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
     return byte_level

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -14,7 +15,8 @@ from tessera.models.model import Model, default_model_path, to_device
 
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto", *,
-               keep_quantized: bool | None = None, device: str | torch.device | None = None) -> Model:
+               keep_quantized: bool | None = None, device: str | torch.device | None = None,
+               timings: dict[str, float] | None = None) -> Model:
     """Load a GGUF file or a Hugging Face directory.
 
     Parameters
@@ -27,6 +29,8 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         stay packed; False: all are dequantized to ``dtype`` (what transformers computes with).
     device : where the weights go: None for the backend's default device (``"cpu"`` for ``"auto"``, ``"cuda"`` for
         ``"triton"`` on a GPU), or one it runs on (``"cuda:1"``). The file is read on the host, then copied.
+    timings : a dict to fill with the seconds each step took: ``header`` (GGUF metadata and tensor index, or
+        ``config.json``), ``weights``, ``tokenizer`` and, when the weights are copied to another device, ``device``.
     """
     target = resolve_device(backend, device)
     torch_dtype = BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -39,7 +43,19 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         if path.suffix != ".gguf":
             raise ValueError(f"load_model: {path} is a file but not .gguf; pass a GGUF file or a Hugging Face "
                              "directory (config.json + safetensors)")
-        return to_device(load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized), target)
-    _, family, config = hf.read_config(path)
-    weights = hf.load_weights(path, config, family, torch_dtype)
-    return to_device(Model(config, weights, hf.load_tokenizer(path), backend=backend), target)
+        model = load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized, timings=timings)
+    else:
+        marks = [time.perf_counter()]
+        _, family, config = hf.read_config(path)
+        marks.append(time.perf_counter())
+        weights = hf.load_weights(path, config, family, torch_dtype)
+        marks.append(time.perf_counter())
+        model = Model(config, weights, hf.load_tokenizer(path), backend=backend)
+        marks.append(time.perf_counter())
+        if timings is not None:
+            timings.update({step: b - a for step, a, b in zip(("header", "weights", "tokenizer"), marks, marks[1:])})
+    start = time.perf_counter()
+    moved = to_device(model, target)
+    if timings is not None and moved is not model:
+        timings["device"] = time.perf_counter() - start
+    return moved

@@ -97,6 +97,26 @@ def test_reader_matches_gguf_py_on_smollm2():
         assert mine.ne == tuple(t.shape.tolist()) and np.array_equal(mine.data, t.data), t.name
 
 
+def test_ggml_types_match_gguf_py():
+    from tessera.models.ggml_types import BLOCK_SIZES, GGMLType
+
+    assert {t.name: int(t) for t in GGMLType} == {t.name: int(t) for t in Q}
+    assert {t.name: size for t, size in BLOCK_SIZES.items()} == {t.name: s for t, s in gguf.GGML_QUANT_SIZES.items()}
+
+
+def test_loading_a_gguf_file_does_not_import_gguf_py(tmp_path):
+    """gguf-py's import costs ~0.1 s of start-up; the loader needs it only for types it has no rule for."""
+    import subprocess
+    import sys
+
+    path = write_all_types(tmp_path / "all.gguf")
+    code = ("import sys; from tessera.models.gguf_reader import read_gguf; from tessera.models.gguf_dequant import "
+            f"dequantize; t = read_gguf({str(path)!r}).tensor_index['Q8_0']; dequantize(t.data, t.tensor_type, "
+            "t.shape); print('gguf' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
 def test_nested_arrays(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "n.gguf"), "llama")
     w.add_array("t.nested", [[1, 2], [3]])
