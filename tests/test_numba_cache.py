@@ -31,6 +31,17 @@ def test_digest_follows_every_numba_source_and_only_those(tmp_path: Path) -> Non
     assert _numba_cache.sources_digest(pkg) != first  # the inlined helper changed: a new directory
 
 
+def test_digest_ignores_files_that_only_name_numba(tmp_path: Path) -> None:
+    """A version table or a docstring naming Numba holds no kernel code: editing it keeps the compiled kernels."""
+    pkg = _tree(tmp_path)
+    (pkg / "cli.py").write_text('PACKAGES = ("torch", "numba")\n')
+    first = _numba_cache.sources_digest(pkg)
+    (pkg / "cli.py").write_text('"""Reports the numba version."""\nPACKAGES = ("numba",)\n')
+    assert _numba_cache.sources_digest(pkg) == first
+    (pkg / "uses.py").write_text("import numba as nb\n")  # an import under another name still counts
+    assert _numba_cache.sources_digest(pkg) != first
+
+
 def test_digest_follows_the_forced_simd_width(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pkg = _tree(tmp_path)
     monkeypatch.delenv("TESSERA_SIMD_LANES", raising=False)
