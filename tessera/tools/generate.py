@@ -17,9 +17,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tessera.tools.placement_flags import add_placement_flags
 from tessera.tools.weight_flags import add_weight_flags, keep_quantized
+
+if TYPE_CHECKING:  # the command imports torch and the engine only when it runs
+    from tessera._compile_clock import KernelClock
+    from tessera.engine import SamplingParams
+    from tessera.engine.params import RequestOutput
+    from tessera.models.model import Model
 
 DEFAULT_PROMPT = "Write one sentence about the sea."
 PAGE_SIZE = 16  # tokens per KV page (the engine's default)
@@ -95,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     if out is not None and out.time_to_first_token and out.latency:
         print(_speeds(out, phases, clock), file=sys.stderr)
     if args.verbose:
-        print(_breakdown(phases, load_times, clock, out), file=sys.stderr)
+        print(_breakdown(phases, load_times, clock, out, getattr(args, "owns_process", False)), file=sys.stderr)
     return 0
 
 
@@ -116,7 +123,7 @@ def _long_lived(owns_process: bool) -> Iterator[None]:
         gc.enable()
 
 
-def _pages_needed(model, prompt: str, params) -> int | None:
+def _pages_needed(model: Model, prompt: str, params: SamplingParams) -> int | None:
     """KV pages for this one request (prompt plus ``max_tokens``), instead of the engine's default pool (256 MiB that
     a one-shot command would allocate and zero for nothing); None when the prompt cannot be measured here."""
     if model.tokenizer is None:
@@ -125,7 +132,7 @@ def _pages_needed(model, prompt: str, params) -> int | None:
     return max(1, math.ceil(min(tokens, model.config.max_position) / PAGE_SIZE))
 
 
-def _speeds(out, phases: _Phases, clock) -> str:
+def _speeds(out: RequestOutput, phases: _Phases, clock: KernelClock) -> str:
     """The request's line: prefill and decode tokens/s without the time kernels took to compile or load."""
     first = phases.request + out.time_to_first_token
     end = phases.request + out.latency
@@ -141,9 +148,11 @@ def _speeds(out, phases: _Phases, clock) -> str:
     return line + "]"
 
 
-def _breakdown(phases: _Phases, load_times: dict[str, float], clock, out) -> str:
-    """``--verbose``: where the run's wall time went, phase by phase."""
-    before = _process_age(phases.start)
+def _breakdown(phases: _Phases, load_times: dict[str, float], clock: KernelClock, out: RequestOutput | None,
+               owns_process: bool) -> str:
+    """``--verbose``: where the run's wall time went, phase by phase (the interpreter's start-up only when this command
+    is the whole process)."""
+    before = _process_age(phases.start) if owns_process else None
     load = ", ".join(f"{step} {seconds:.2f}" for step, seconds in load_times.items())
     warm = phases.warmed - phases.engine
     compile_s = clock.compile_seconds(phases.engine, phases.warmed)

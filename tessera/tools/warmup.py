@@ -1,14 +1,13 @@
-"""Kernel warm-up: compile (first run) or load from the cache (later runs) every kernel a model's requests need, before
-a request whose speed is reported; and ``tessera warmup``, which does only that (``make demo`` runs it at install).
+"""Kernel warm-up: compile (first run) or load from the cache (later runs) the kernels a model's requests need before
+a request whose speed is reported; and ``tessera warmup``, which does only that (``make demo`` runs it first).
 
-Before a request (:func:`warm_up`) that is one tiny request through the same engine: a prompt of up to 14 tokens and
-two new tokens, so it runs the prefill kernels of short prompts, the sampler of the request's parameters and one
-decode step. It is shorter than a KV page, so the prefix cache keeps nothing of it for the real request to reuse.
-Kernels a longer prompt needs (a different GEMM path) compile during that request's prefill; the caller's
+:func:`warm_up` runs one tiny request through the caller's engine: up to 14 of the prompt's tokens and two new tokens
+with the request's sampling parameters, so the prefill kernels of short prompts, the sampler and one decode step run.
+It stays shorter than a KV page, so the prefix cache keeps nothing of it for the real request to reuse. Kernels a
+longer prompt needs (another GEMM path) compile during that request's prefill; the caller's
 :class:`~tessera._compile_clock.KernelClock` still separates their time. ``tessera warmup`` runs prompts of
 :data:`COMMAND_LENGTHS` tokens and a sampled request, on an engine it then discards.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -33,22 +32,25 @@ class CompileProgress:
     with its time; :meth:`summary` is the closing line. Pass its methods to :func:`tessera._compile_clock.kernel_clock`.
     """
 
-    def __init__(self, out: TextIO = sys.stderr, verbose: bool = False) -> None:
-        self.out, self.verbose = out, verbose
-        self.started: float | None = None
+    def __init__(self, out: TextIO | None = None, verbose: bool = False) -> None:
+        self._out, self.verbose = out, verbose
+        self.started = False
         self.count = 0
 
+    def _print(self, line: str) -> None:
+        print(line, file=self._out or sys.stderr, flush=True)  # sys.stderr as it is now (a test may capture it)
+
     def on_compile(self, name: str) -> None:
-        if self.started is None:
-            self.started = time.perf_counter()
-            print(COMPILING, file=self.out, flush=True)
+        if not self.started:
+            self.started = True
+            self._print(COMPILING)
         if self.verbose:
-            print(f"  compiling {name} ...", file=self.out, flush=True)
+            self._print(f"  compiling {name} ...")
 
     def on_compiled(self, span: Any) -> None:
         self.count += 1
         if self.verbose:
-            print(f"  compiled {span.name} in {span.end - span.start:.1f} s", file=self.out, flush=True)
+            self._print(f"  compiled {span.name} in {span.end - span.start:.1f} s")
 
     def summary(self, compile_seconds: float) -> str | None:
         """"compiled N kernels in X s", or None when nothing compiled."""
@@ -62,7 +64,7 @@ def warm_up(llm: Any, prompt: str | list[int], params: Any) -> None:
     ids = llm.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
     # fewer tokens than a KV page holds, prompt and generated together: no full page, nothing for the prefix cache
     n = max(1, min(len(ids), MAX_WARMUP_PROMPT, llm.block_manager.page_size - 2))
-    tiny = dataclasses.replace(params, max_tokens=2, ignore_eos=True, stop=[], n=1)
+    tiny = dataclasses.replace(params, max_tokens=2, ignore_eos=True, stop=[], stop_token_ids=[], n=1)
     llm.generate([ids[:n]], tiny)
 
 

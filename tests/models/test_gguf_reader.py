@@ -23,10 +23,10 @@ V = gguf.GGUFValueType
 # key -> (value, GGUF type, array item type): one of every scalar type, strings, and arrays of each kind
 METADATA = {
     "t.u8": (200, V.UINT8, None), "t.i8": (-7, V.INT8, None), "t.u16": (60000, V.UINT16, None),
-    "t.i16": (-30000, V.INT16, None), "t.u32": (4_000_000_000, V.UINT32, None), "t.i32": (-2_000_000_000, V.INT32, None),
-    "t.f32": (0.1, V.FLOAT32, None), "t.bool": (True, V.BOOL, None), "t.u64": (2**63 + 5, V.UINT64, None),
-    "t.i64": (-(2**62), V.INT64, None), "t.f64": (1e-300, V.FLOAT64, None), "t.str": ("héllo 世界 🙂", V.STRING, None),
-    "t.empty_str": ("", V.STRING, None),
+    "t.i16": (-30000, V.INT16, None), "t.u32": (4_000_000_000, V.UINT32, None),
+    "t.i32": (-2_000_000_000, V.INT32, None), "t.f32": (0.1, V.FLOAT32, None), "t.bool": (True, V.BOOL, None),
+    "t.u64": (2**63 + 5, V.UINT64, None), "t.i64": (-(2**62), V.INT64, None), "t.f64": (1e-300, V.FLOAT64, None),
+    "t.str": ("héllo 世界 🙂", V.STRING, None), "t.empty_str": ("", V.STRING, None),
     "t.tokens": (["<s>", "Ġthe", "", "naïve", "🙂", "a b"], V.ARRAY, V.STRING),
     "t.scores": ([0.5, -1.25, 3.0], V.ARRAY, V.FLOAT32), "t.types": ([1, 3, 4, 1], V.ARRAY, V.INT32),
     "t.flags": ([True, False, True], V.ARRAY, V.BOOL), "t.big": ([2**64 - 1, 0], V.ARRAY, V.UINT64),

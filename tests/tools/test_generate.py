@@ -94,7 +94,7 @@ def test_generate_verbose_breaks_the_start_up_down(llm, capsys):
     assert main(["generate", "Hello", "--max-tokens", "4", "--verbose"]) == 0
     err = capsys.readouterr().err
     assert "prefill" in err and "tok/s" in err
-    for row in ("python start-up", "imports", "load (header", "tokenizer", "engine", "kernel warm-up",
+    for row in ("imports", "load (header", "tokenizer", "engine", "kernel warm-up",
                 "prefill (to the first token)", "decode (the other tokens)", "total"):
         assert row in err, row
 
