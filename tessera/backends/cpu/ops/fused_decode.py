@@ -67,7 +67,7 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
         if isinstance(t, QuantizedWeight):
             if name.rsplit(".", 2)[-2] not in _PROJECTIONS or t.device.type != "cpu":
                 return f"weight {name} is a packed {t.fmt} {t.device.type} weight outside the four projections"
-            if qdot.chosen_token() is not None:  # one variant runs every packed projection of the layer
+            if qdot.chosen_token(t) is not None:  # one variant runs every packed projection of the layer
                 reason = qdot.unsupported(t)
                 if reason is not None:
                     return f"weight {name}: the int8-activation qgemv kernels cannot take it ({reason})"
@@ -135,8 +135,8 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
                       and name.rsplit(".", 2)[-2] in _PROJECTIONS)
         # the token only when something is packed: choosing it compiles and self-checks the int8 kernels (~30 s
         # cold), which a float model never runs
-        packed = any(isinstance(t, QuantizedWeight) for name, t in w.items() if name.startswith("layers."))
-        views = (views, largest, qdot.chosen_token() if packed else None)
+        packed = [t for name, t in w.items() if name.startswith("layers.") and isinstance(t, QuantizedWeight)]
+        views = (views, largest, qdot.chosen_token(*packed) if packed else None)
     _remember(_VIEWS, model, (variant, identity, views))
     return views
 

@@ -140,8 +140,8 @@ def _bf16_tile(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
 def _gemv(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     m, k = x.shape
     g = qw.group_size
-    isa = qdot.chosen_token()
-    if isa is not None and qdot.unsupported(qw) is None:  # int8 dot products (the qgemv variant in force)
+    isa = qdot.chosen_token(qw) if qdot.unsupported(qw) is None else None
+    if isa is not None:  # int8 dot products (the qgemv variant in force)
         serial = m * qw.shape[0] * k < tuned("gemv_serial_work", None, SERIAL_WORK)
         return qdot.qmatmul(x, qw, isa, serial)
     out = torch.empty(m, qw.shape[0], dtype=torch.float32)
