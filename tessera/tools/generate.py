@@ -103,7 +103,18 @@ def _run(args: argparse.Namespace) -> int:
         print(_speeds(out, phases, clock), file=sys.stderr)
     if args.verbose:
         print(_breakdown(phases, load_times, clock, out, getattr(args, "owns_process", False)), file=sys.stderr)
+    if getattr(args, "owns_process", False):
+        _exit_now()
     return 0
+
+
+def _exit_now() -> None:
+    """End the process without the interpreter's teardown (~0.25 s of module and object finalization for torch, Numba
+    and the model, none of which has anything left to save: the output is flushed here, the kernel cache was written
+    when each kernel compiled, and no file or child process is open). Only when the command is the whole process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextmanager

@@ -4,6 +4,7 @@ run against the float64 oracle of what it computes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -315,6 +316,7 @@ def test_a_variant_failing_its_self_check_is_replaced(monkeypatch) -> None:
     assert _qdot.self_check(_qdot._TOKENS[best]) is None
     monkeypatch.setattr(_qdot, "_CHECKED", {})
     monkeypatch.setattr(_qdot, "_CHOSEN", {})
+    monkeypatch.setattr(_qdot, "_passed_before", lambda name, kind: False)  # a pass another run remembered
     monkeypatch.setattr(_qdot, "self_check", lambda isa, kind: "simulated mismatch")
     with pytest.warns(RuntimeWarning, match="failed its self-check"):
         token = _qdot.chosen_token()
@@ -421,6 +423,7 @@ rng = np.random.default_rng(0)
 blocks = rng.integers(0, 256, size=(8, 2, 20), dtype=np.uint8)
 blocks[..., 0:4] = np.array([0.01, 0.002], np.float16).view(np.uint8)  # finite float16 scale and min
 qw = from_gguf(blocks, "Q4_1", (8, 64))
+_qdot._passed_before = lambda name, kind: False  # check now, even if an earlier run remembered a pass
 token = _qdot.chosen_token(qw)
 if token is None:
     print("portable")
@@ -442,3 +445,37 @@ def test_the_self_check_compiles_only_the_kinds_a_model_runs() -> None:
         pytest.skip("no int8-activation variant on this CPU")
     # float16 scales reach the kernels as their bits (int16 views, widened in registers)
     assert out == "int8 kernels: 0 scales: ['array(int16, 2d, C)']", out
+
+
+def test_a_self_check_pass_is_remembered_per_cpu_and_a_failure_is_not(monkeypatch, tmp_path) -> None:
+    """A variant that passed is not checked again by a later process (the verdict file beside the compiled kernels,
+    keyed by CPU, variant and weight kind); a damaged file means checking again, and a failure is never written."""
+    path = tmp_path / "verdicts.json"
+    monkeypatch.setattr(_qdot, "_verdicts_path", lambda: path)
+    calls = []
+
+    def check(isa, kind, result=None):
+        calls.append(kind)
+        return result
+
+    kind = ("int4_min", torch.float16)
+    monkeypatch.setattr(_qdot, "_CHECKED", {})
+    monkeypatch.setattr(_qdot, "self_check", check)
+    assert _qdot._passes("vnni", kind) and len(calls) == 1
+    monkeypatch.setattr(_qdot, "_CHECKED", {})  # a new process
+    assert _qdot._passes("vnni", kind) and len(calls) == 1  # read from the file
+    assert _qdot._passes("vnni", ("int8", torch.float16)) and len(calls) == 2  # another kind is checked
+    recorded = json.loads(path.read_text())
+    assert len(recorded) == 2 and all(key.endswith(("|int4_min|torch.float16", "|int8|torch.float16"))
+                                      for key in recorded)
+
+    path.write_text("{not json")
+    monkeypatch.setattr(_qdot, "_CHECKED", {})
+    assert _qdot._passes("vnni", kind) and len(calls) == 3  # damaged: checked again, and rewritten
+    assert len(json.loads(path.read_text())) == 1
+
+    monkeypatch.setattr(_qdot, "_CHECKED", {})
+    monkeypatch.setattr(_qdot, "self_check", lambda isa, kind: "simulated mismatch")
+    with pytest.warns(RuntimeWarning, match="failed its self-check"):
+        assert not _qdot._passes("avx2", kind)
+    assert not any("|avx2|" in key for key in json.loads(path.read_text()))

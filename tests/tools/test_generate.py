@@ -102,3 +102,16 @@ def test_generate_verbose_breaks_the_start_up_down(llm, capsys):
 def test_warmup_command(llm, capsys):
     assert main(["warmup"]) == 0
     assert "warm-up took" in capsys.readouterr().err
+
+
+def test_generate_as_the_whole_process_flushes_and_exits_zero(llm):
+    """Run as the program, `tessera generate` ends without the interpreter's teardown: its text, its speeds line and
+    the breakdown still all arrive, through pipes (block-buffered), and the exit status is 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tessera", "generate", "Hello", "--max-tokens", "4", "--verbose"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip(), "the generated text was lost"
+    assert "tok/s" in done.stderr and done.stderr.rstrip().endswith("total"), done.stderr[-1000:]

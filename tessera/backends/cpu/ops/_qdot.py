@@ -4,12 +4,15 @@ the chosen ``qgemv`` variant runs, and the call itself."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from tessera._atomic import write_text_atomic
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _qdot_kernels as kernels
 from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
@@ -63,14 +66,66 @@ def chosen_token(*weights: QuantizedWeight) -> IsaToken | None:
 
 def _passes(name: str, kind: Kind) -> bool:
     ok = _CHECKED.get((name, kind))
+    if ok is None and _passed_before(name, kind):
+        ok = _CHECKED[(name, kind)] = True
     if ok is None:
         error = self_check(_TOKENS[name], kind)
         ok = _CHECKED[(name, kind)] = error is None
-        if not ok:
+        if ok:
+            _record_pass(name, kind)
+        else:
             warnings.warn(f"qgemv variant {name!r} failed its self-check ({error}); falling back to the next "
                           "variant this CPU runs. Please report this with the output of `tessera info`.",
                           RuntimeWarning, stacklevel=3)
     return ok
+
+
+# A pass is remembered beside the compiled kernels: the check tests machine code, and the same code on the same CPU
+# gives the same answer, so a warm process skips it (~0.4 s of a short `tessera generate`: it would load the
+# standalone GEMV kernels from the cache just to check them, where a one-token decode runs only the fused layer).
+# The file sits in the Numba cache directory, which is keyed by the kernel sources (tessera/_numba_cache.py); the key
+# inside names the CPU, since one home directory can serve several machines. A failure is never remembered: it is
+# re-checked, and warned about, in every process.
+_VERDICTS = "qgemv-self-check.json"
+
+
+def _verdict_key(name: str, kind: Kind) -> str:
+    import llvmlite.binding as llvm  # what Numba keys its own cache by: the host CPU and its features
+
+    return "|".join((llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), name, kind[0], str(kind[1])))
+
+
+def _verdicts_path() -> Path | None:
+    import numba
+
+    root = numba.config.CACHE_DIR
+    return Path(root) / _VERDICTS if root else None
+
+
+def _passed_before(name: str, kind: Kind) -> bool:
+    path = _verdicts_path()
+    if path is None:
+        return False
+    try:
+        return json.loads(path.read_text()).get(_verdict_key(name, kind)) is True
+    except (OSError, ValueError, AttributeError):  # absent, unreadable or damaged: check again
+        return False
+
+
+def _record_pass(name: str, kind: Kind) -> None:
+    path = _verdicts_path()
+    if path is None:
+        return
+    try:
+        try:
+            verdicts = json.loads(path.read_text())
+            verdicts = verdicts if isinstance(verdicts, dict) else {}
+        except (OSError, ValueError):
+            verdicts = {}
+        verdicts[_verdict_key(name, kind)] = True
+        write_text_atomic(path, json.dumps(verdicts, indent=1, sort_keys=True))
+    except OSError:  # a read-only cache: the check simply runs again next time
+        pass
 
 
 def self_check(isa: IsaToken, kind: Kind = ("int4", torch.float32)) -> str | None:
