@@ -9,6 +9,7 @@ imports, load (header, weights, tokenizer), engine, kernel warm-up, prefill, dec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import os
@@ -44,6 +45,9 @@ def add_parser(commands) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--verbose", action="store_true",
                    help="break the start-up down (imports, load, tokenizer, kernel warm-up, prefill, decode)")
+    p.add_argument("--wait-for-kernels", action="store_true",
+                   help="on a first run, compile this CPU's kernels before the request (minutes) instead of serving it "
+                        "on a backend that needs no compiling while they compile in the background")
     add_placement_flags(p)
     add_weight_flags(p)
     p.set_defaults(run=_run)
@@ -84,28 +88,99 @@ def _run(args: argparse.Namespace) -> int:
             prompt = render_chat(model.chat_template, [{"role": "user", "content": args.prompt}])
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
+        quick = _quick_start(args, model)
+        if quick is not None:
+            model = dataclasses.replace(model, backend=quick)
         llm = LLM(model, max_num_seqs=1, page_size=PAGE_SIZE, num_pages=_pages_needed(model, prompt, params))
         phases.engine = time.perf_counter()
     progress = CompileProgress(verbose=args.verbose)
     with kernel_clock(progress.on_compile, progress.on_compiled) as clock:
-        warm_up(llm, prompt, params)
+        if quick is None:  # the quick-start backend compiles nothing: nothing to warm
+            warm_up(llm, prompt, params)
         phases.warmed = time.perf_counter()
         compiled = progress.summary(clock.compile_seconds())
         if compiled:
             print(compiled, file=sys.stderr)
         phases.request = time.perf_counter()
+        upgrade = _Upgrade(llm, args.backend, model) if quick is not None else None
         for delta in llm.stream(prompt, params):
             print(delta, end="", flush=True)
+            if upgrade is not None:
+                upgrade.poll()
         phases.done = time.perf_counter()
     print()
     out = llm.last_output
     if out is not None and out.time_to_first_token and out.latency:
         print(_speeds(out, phases, clock), file=sys.stderr)
+        if upgrade is not None:
+            print(upgrade.summary(len(out.token_ids)), file=sys.stderr)
     if args.verbose:
         print(_breakdown(phases, load_times, clock, out, getattr(args, "owns_process", False)), file=sys.stderr)
     if getattr(args, "owns_process", False):
         _exit_now()
     return 0
+
+
+def _quick_start(args: argparse.Namespace, model: Model) -> str | None:
+    """On a first run (the model's kernels not compiled for this machine yet), the backend to serve this request on
+    while ``tessera warmup`` compiles them in the background (:mod:`tessera.tools.first_run`); None to run as asked
+    (kernels ready, ``--wait-for-kernels``, called from Python, or a backend without a quick start)."""
+    if not getattr(args, "owns_process", False) or args.wait_for_kernels:
+        return None
+    from tessera.tools import first_run
+
+    backend = first_run.effective_backend(args.backend, model.device)
+    if first_run.is_warm(backend, first_run.model_kind(model)) is not False:
+        return None
+    quick = backend.quick_start_backend
+    started = first_run.start_background_warmup(backend, first_run.warmup_argv(args))
+    if started is not None:
+        pid, log = started
+        where = f"`tessera warmup` compiles them in the background now (pid {pid}, a few minutes; log {log})"
+    elif first_run.warmup_running(backend):
+        where = "a background `tessera warmup` is compiling them now"
+    else:
+        return None  # no background compile possible: compile in the foreground, as the warm-up does
+    print(f"the {backend.name} backend's kernels for this model are not compiled on this CPU yet: this request runs "
+          f"on the {quick} backend (nothing to compile, slower) while {where}. Later runs use them; "
+          "--wait-for-kernels compiles them first instead.", file=sys.stderr, flush=True)
+    return quick
+
+
+class _Upgrade:
+    """Moves a request that started on the quick-start backend to the backend asked for, between two decode steps, as
+    soon as the background warm-up records its kernels compiled (a file check at most every :attr:`EVERY` s). Both
+    backends run the same weights and the same KV pages; only the kernels change."""
+
+    EVERY = 0.25
+
+    def __init__(self, llm, backend: str, model: Model) -> None:
+        from tessera.tools import first_run
+
+        self._llm, self._backend = llm, backend
+        self._target = first_run.effective_backend(backend, model.device)
+        self._kind = first_run.model_kind(model)
+        self._checked = time.perf_counter()
+        self.tokens_before: int | None = None  # tokens streamed when the switch happened
+        self._streamed = 0
+
+    def poll(self) -> None:
+        from tessera.tools import first_run
+
+        self._streamed += 1
+        if self.tokens_before is not None or time.perf_counter() - self._checked < self.EVERY:
+            return
+        self._checked = time.perf_counter()
+        if first_run.is_warm(self._target, self._kind):
+            self._llm.model.backend = self._backend  # read by the next step
+            self.tokens_before = self._streamed
+
+    def summary(self, tokens: int) -> str:
+        quick = self._target.quick_start_backend
+        if self.tokens_before is None:
+            return f"[all {tokens} tokens on the {quick} backend; the kernels are still compiling in the background]"
+        return (f"[the first ~{self.tokens_before} tokens on the {quick} backend, the rest on {self._target.name} "
+                "once its kernels compiled]")
 
 
 def _exit_now() -> None:
@@ -151,12 +226,18 @@ def _speeds(out: RequestOutput, phases: _Phases, clock: KernelClock) -> str:
     decode_time = out.latency - out.time_to_first_token - clock.seconds(first, end)
     prefill = len(out.prompt_tokens) / prefill_time if prefill_time > 0 else 0.0
     decode = (len(out.token_ids) - 1) / decode_time if len(out.token_ids) > 1 and decode_time > 0 else 0.0
-    line = (f"[{len(out.prompt_tokens)} prompt tokens, prefill {prefill:.0f} tok/s; {len(out.token_ids)} new tokens, "
-            f"decode {decode:.1f} tok/s; finish: {out.finish_reason}")
+    line = (f"[{len(out.prompt_tokens)} prompt tokens, prefill {_rate(prefill, 0)} tok/s; {len(out.token_ids)} new "
+            f"tokens, decode {_rate(decode, 1)} tok/s; finish: {out.finish_reason}")
     late = clock.compile_seconds(phases.request, end)
     if late > 0:  # a path the warm-up did not take (a longer prompt's GEMM); its compile is not in the speeds
         line += f"; {late:.1f} s compiling kernels during the request, excluded"
     return line + "]"
+
+
+def _rate(tokens_per_s: float, decimals: int) -> str:
+    """A speed with ``decimals`` places, or two significant digits below 1 tok/s (a first run's quick-start backend
+    prefills at ~0.2 tok/s, which would print as 0)."""
+    return f"{tokens_per_s:.2g}" if 0 < tokens_per_s < 1 else f"{tokens_per_s:.{decimals}f}"
 
 
 def _breakdown(phases: _Phases, load_times: dict[str, float], clock: KernelClock, out: RequestOutput | None,

@@ -6,12 +6,14 @@ with the request's sampling parameters, so the prefill kernels of short prompts,
 It stays shorter than a KV page, so the prefix cache keeps nothing of it for the real request to reuse. Kernels a
 longer prompt needs (another GEMM path) compile during that request's prefill; the caller's
 :class:`~tessera._compile_clock.KernelClock` still separates their time. ``tessera warmup`` runs prompts of
-:data:`COMMAND_LENGTHS` tokens and a sampled request, on an engine it then discards.
+:data:`COMMAND_LENGTHS` tokens and a sampled request, on an engine it then discards, and records that this kind of
+model is warm (:mod:`tessera.tools.first_run`: a first ``tessera generate`` starts it in the background).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -73,6 +75,9 @@ def add_parser(commands) -> None:
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--verbose", action="store_true", help="list every compiled kernel with its time")
+    p.add_argument("--background", action="store_true",
+                   help="as started by a first `tessera generate`: at low priority, and only if no other background "
+                        "warm-up is running")
     add_placement_flags(p)
     add_weight_flags(p)
     p.set_defaults(run=_run)
@@ -82,9 +87,18 @@ def _run(args: argparse.Namespace) -> int:
     from tessera._compile_clock import kernel_clock
     from tessera.engine import LLM, SamplingParams
 
+    from tessera.tools import first_run
+
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=1, keep_quantized=keep_quantized(args),
               device=args.device)
+    backend = first_run.effective_backend(args.backend, llm.model.device)
+    if args.background:
+        lock = first_run.hold_lock(backend)  # held until this process ends
+        if lock is None and first_run.marker_dir(backend) is not None:
+            print("another background warm-up is running; nothing to do", file=sys.stderr)
+            return 0
+        os.nice(10)  # the request that started it keeps the CPU first
     vocab = llm.model.config.vocab_size
     progress = CompileProgress(verbose=args.verbose)
     with kernel_clock(progress.on_compile, progress.on_compiled) as clock:
@@ -94,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
                          SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         llm.generate([[(2000 + i) % vocab for i in range(8)]],
                      SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=2, ignore_eos=True))
+    first_run.mark_warm(backend, first_run.model_kind(llm.model))
     done = progress.summary(clock.compile_seconds()) or "every kernel was already compiled (loaded from the cache)"
     print(f"{done}; warm-up took {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

@@ -110,8 +110,9 @@ def test_generate_as_the_whole_process_flushes_and_exits_zero(llm):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "tessera", "generate", "Hello", "--max-tokens", "4", "--verbose"],
-                          capture_output=True, text=True, timeout=300)
+    # --wait-for-kernels: on a machine where `tessera warmup` never ran, no background compile may outlive the test
+    done = subprocess.run([sys.executable, "-m", "tessera", "generate", "Hello", "--max-tokens", "4", "--verbose",
+                           "--wait-for-kernels"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), "the generated text was lost"
     assert "tok/s" in done.stderr and done.stderr.rstrip().endswith("total"), done.stderr[-1000:]

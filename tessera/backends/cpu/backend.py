@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -38,8 +41,25 @@ class CpuBackend:
     #: registers this backend's thresholds with :mod:`tessera.tuning` (``tessera tune`` measures them)
     tunables_module = "tessera.backends.cpu.tunables"
 
+    #: runs a model at once, compiling nothing, while this backend's kernels compile on a first run
+    #: (:mod:`tessera.tools.first_run`)
+    quick_start_backend = "reference"
+
     def available(self) -> list[str]:
         return []
+
+    def warm_marker_dir(self) -> Path | None:
+        """Where tools record which models' kernels are all compiled: inside Numba's cache directory for the current
+        kernel sources (:mod:`tessera._numba_cache`), per CPU (one home directory can serve several machines, and
+        Numba keys its machine code by the host CPU). None when Numba has no cache directory set (no writable cache:
+        every process compiles, so a marker would mean nothing)."""
+        root = os.environ.get("NUMBA_CACHE_DIR")
+        if not root:
+            return None
+        import llvmlite.binding as llvm  # what Numba keys its own cache by
+
+        cpu = hashlib.sha256((llvm.get_host_cpu_name() + llvm.get_host_cpu_features().flatten()).encode())
+        return Path(root) / "warm" / cpu.hexdigest()[:12]
 
     def device_types(self) -> tuple[str, ...]:
         return ("cpu",)
