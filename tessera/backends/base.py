@@ -72,7 +72,14 @@ DEFAULT_PLAN_OPTIONS = PlanOptions()
 
 
 class Backend(Protocol):
-    """One hardware target. Every backend runs the same conformance suite."""
+    """One hardware target. Every backend runs the same conformance suite.
+
+    Optional members beyond those below, looked up with ``getattr``: ``device_types()``, ``ops_package``,
+    ``tunables_module``, ``kv_storage()``, ``kernel_variants()``, ``compute_peaks()``, ``compute_roof()``,
+    ``profile_targets()``; and, for a backend whose kernels compile on the machine that runs them,
+    ``quick_start_backend`` (a backend that runs the same model at once while they compile) with
+    ``warm_marker_dir()`` (:mod:`tessera.tools.first_run`).
+    """
 
     name: str
     #: higher wins under ``backend="auto"``
