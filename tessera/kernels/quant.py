@@ -26,8 +26,13 @@ import torch
 
 from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
+from tessera.kernels.ggml_blocks import BLOCKS, BY_TYPE_ID, row_bytes
 
-FORMATS = ("int8", "int4", "int4_min", "fp8_e4m3")
+#: the formats :func:`quantize` makes
+QUANTIZABLE = ("int8", "int4", "int4_min", "fp8_e4m3")
+#: every format a :class:`QuantizedWeight` holds: the above, and ggml's block formats kept as a GGUF file stores them
+#: (:mod:`tessera.kernels.ggml_blocks`: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; no separate scales, ``data`` is the file's rows)
+FORMATS = QUANTIZABLE + tuple(BLOCKS)
 GROUP_SIZES = (32, 64, 128)
 #: dtypes a QuantizedWeight's scales (and mins) may have
 SCALE_DTYPES = (torch.float32, torch.float16)
@@ -46,13 +51,16 @@ class QuantizedWeight:
     shape : tuple[int, int]
         ``(N, K)`` of the float weight.
     group_size : int
-        Weights sharing one scale along K: 32, 64 or 128, or ``K`` for per-channel int8 and fp8.
+        Weights sharing one scale along K: 32, 64 or 128, or ``K`` for per-channel int8 and fp8; for a ggml block
+        format, the values of one block (32 or 256).
     data : torch.Tensor
         int8 ``[N, K]`` (int8), uint8 ``[N, K // 2]`` (int4, int4_min; byte ``j`` of a group holds element ``j`` in
-        its low nibble and element ``j + G/2`` in its high nibble), float8_e4m3fn ``[N, K]`` (fp8_e4m3).
-    scales : torch.Tensor
+        its low nibble and element ``j + G/2`` in its high nibble), float8_e4m3fn ``[N, K]`` (fp8_e4m3), uint8
+        ``[N, row_bytes]`` (a ggml block format: whole blocks as the file stores them).
+    scales : torch.Tensor or None
         ``[N, ng]``, float32 (what :func:`quantize` makes) or float16 (what a GGUF file stores: :func:`from_gguf`
-        keeps its blocks' scales as they are, so a packed weight takes the file's bytes, not more).
+        keeps its blocks' scales as they are, so a packed weight takes the file's bytes, not more); None for a ggml
+        block format, whose scales are inside its blocks.
     zeros : torch.Tensor or None
         uint8 ``[N, ng]`` zero points in 0..15 (int4 only).
     mins : torch.Tensor or None
@@ -63,7 +71,7 @@ class QuantizedWeight:
     shape: tuple[int, int]
     group_size: int
     data: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None
     zeros: torch.Tensor | None = None
     mins: torch.Tensor | None = None
 
@@ -74,6 +82,16 @@ class QuantizedWeight:
         g = self.group_size
         if g <= 0 or k % g:
             raise ValueError(f"{self.fmt}: K={k} is not a multiple of group_size={g}")
+        if self.fmt in BLOCKS:
+            block = BLOCKS[self.fmt][1]
+            if g != block:
+                raise ValueError(f"{self.fmt}: group_size must be its block of {block} values, got {g}")
+            _check_part(self.fmt, "data", self.data, torch.uint8, (n, row_bytes(self.fmt, k)))
+            if self.scales is not None or self.zeros is not None or self.mins is not None:
+                raise ValueError(f"{self.fmt}: scales, zeros and mins live inside its blocks; pass None for each")
+            return
+        if self.scales is None:
+            raise ValueError(f"{self.fmt}: scales are required")
         if self.fmt.startswith("int4") and g not in GROUP_SIZES:
             raise ValueError(f"{self.fmt}: group_size must be one of {GROUP_SIZES}, got {g}")
         packed = {"int8": (torch.int8, (n, k)), "int4": (torch.uint8, (n, k // 2)),
@@ -149,8 +167,11 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int | None = None, *, backen
         Scales over a group are computed from that group; an all-zero group gets scale 0 and dequantizes to 0.
     """
     _check_float("w", w)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantized format {fmt!r}; choose one of {list(FORMATS)}")
+    if fmt in BLOCKS:
+        raise ValueError(f"quantize makes {list(QUANTIZABLE)}, not {fmt!r} (ggml block formats come from GGUF "
+                         "files: from_gguf)")
+    if fmt not in QUANTIZABLE:
+        raise ValueError(f"unknown quantized format {fmt!r}; choose one of {list(QUANTIZABLE)}")
     k = w.shape[1]
     if group_size is None:
         group_size = 128 if fmt.startswith("int4") else k
@@ -224,14 +245,16 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight, *, backend: str = "auto") -> t
 
 
 def from_gguf(raw: bytes | np.ndarray | torch.Tensor, ggml_type: int | str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Wrap GGUF Q4_0, Q4_1 or Q8_0 blocks as a :class:`QuantizedWeight` (group 32), without changing any value.
+    """Wrap GGUF blocks as a :class:`QuantizedWeight` without changing any value: Q4_0, Q4_1 and Q8_0 split into
+    codes and float16 scales (group 32); Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kept whole (:mod:`.ggml_blocks`): a view of
+    ``raw`` when it is a writable NumPy array or tensor of the right size, so a mapped file is not copied.
 
     Parameters
     ----------
     raw : bytes, numpy.ndarray or torch.Tensor
-        The tensor's block data as stored in the file (any shape; read as its bytes), ``N * K / 32`` blocks.
+        The tensor's block data as stored in the file (any shape; read as its bytes).
     ggml_type : int or str
-        ``gguf.GGMLQuantizationType.Q4_0`` (2), ``Q4_1`` (3) or ``Q8_0`` (8), or the name ``"Q4_0"`` etc.
+        A ``gguf.GGMLQuantizationType`` of those above, by id (``Q4_0`` is 2, ``Q4_K`` 12) or name (``"Q4_K"``).
     shape : tuple[int, int]
         ``(N, K)`` row-major, K contiguous (GGUF lists the dims the other way round: ``ne = [K, N]``).
 
@@ -240,8 +263,10 @@ def from_gguf(raw: bytes | np.ndarray | torch.Tensor, ggml_type: int | str, shap
         >>> t = gguf.GGUFReader(path).tensors[0]
         >>> qw = from_gguf(t.data, t.tensor_type, tuple(reversed(t.shape.tolist())))
     """
-    names = {name: tid for tid, (name, _) in _GGUF.items()}
+    names = {name: tid for tid, (name, _) in _GGUF.items()} | {fmt.upper(): tid for tid, fmt in BY_TYPE_ID.items()}
     tid = names.get(ggml_type.upper(), -1) if isinstance(ggml_type, str) else int(ggml_type)
+    if tid in BY_TYPE_ID:
+        return _whole_blocks(raw, BY_TYPE_ID[tid], shape)
     if tid not in _GGUF:
         raise ValueError(f"ggml type {ggml_type!r} is not supported; supported: {sorted(names)}")
     name, block_bytes = _GGUF[tid]
@@ -267,3 +292,23 @@ def from_gguf(raw: bytes | np.ndarray | torch.Tensor, ggml_type: int | str, shap
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).contiguous()
     data = torch.from_numpy(blocks[..., 4:].reshape(n, k // 2).copy())
     return QuantizedWeight("int4_min", (n, k), 32, data, d, mins=m)
+
+
+def _whole_blocks(raw: bytes | np.ndarray | torch.Tensor, fmt: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """A ggml block format's rows as they are: a view of ``raw`` where it can be one."""
+    n, k = (int(d) for d in shape)
+    values = BLOCKS[fmt][1]
+    if k <= 0 or k % values:
+        raise ValueError(f"{fmt.upper()}: K={k} must be a positive multiple of its block of {values} values")
+    width = row_bytes(fmt, k)
+    if isinstance(raw, torch.Tensor):
+        data = raw.detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+    else:
+        array = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else \
+            np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        # torch needs a writable array to share memory; a read-only one (bytes, a read-only mapping) is copied
+        data = torch.from_numpy(array if array.flags.writeable else array.copy())
+    if data.numel() != n * width:
+        raise ValueError(f"{fmt.upper()} {shape}: expected {n * width} bytes ({n * k // values} blocks of "
+                         f"{BLOCKS[fmt][2]}), got {data.numel()}")
+    return QuantizedWeight(fmt, (n, k), values, data.reshape(n, width), None)

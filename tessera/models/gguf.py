@@ -11,9 +11,9 @@ Two things differ from a safetensors checkpoint:
 
 * llama.cpp's converter interleaves the two rotary halves of every Q and K head (llama.cpp rotates adjacent pairs,
   Hugging Face rotates the halves); :func:`unpermute_rows` restores the order for the architectures it applies to.
-* Projections are usually quantized. By default those in Q4_0, Q4_1 or Q8_0 stay packed as
-  :class:`QuantizedWeight` (held exactly; the un-permutation moves whole rows, so it is exact too) and the others
-  are de-quantized to the requested dtype; ``keep_quantized`` chooses otherwise.
+* Projections are usually quantized. By default those in Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K stay
+  packed as :class:`QuantizedWeight` (held exactly; the un-permutation moves whole rows, so it is exact too) and the
+  others are de-quantized to the requested dtype; ``keep_quantized`` chooses otherwise.
 
 >>> model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
 >>> model.tokenizer.encode("Hello world").ids
@@ -47,7 +47,8 @@ from tessera.models.model import Model
 
 _T = GGMLType
 _FLOAT_TYPES = (_T.F32, _T.F16, _T.BF16)
-_PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0)  # what from_gguf holds without changing a value
+# what from_gguf holds without changing a value: Q4_0/Q4_1/Q8_0 split into codes and scales, the others as whole blocks
+_PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
 _STORED_AS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 
 
@@ -90,11 +91,13 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         Kernel backend the returned model runs on ("auto", "cpu", "reference", "triton").
     keep_quantized : bool or None
         Whether the 2-D projections (``qkv``, ``o``, ``gate_up``, ``down``) stay packed as :class:`QuantizedWeight`
-        (exact for Q4_0, Q4_1 and Q8_0; float-typed projections stay float). None (the default, as llama.cpp runs a
+        (exact for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K; float-typed projections stay float). None (the default, as llama.cpp runs a
         file): every projection whose type can stay packed does, the others are dequantized. True: every quantized
         projection must stay packed, any other type raises. False: all are dequantized to ``torch_dtype`` (the
-        weights transformers computes with). The embedding table and norms are always dequantized; unless False, a
-        Q4_0 / Q4_1 / Q8_0 output table (the embedding, when tied) is also kept packed for the lm_head.
+        weights transformers computes with). The embedding table and norms are always dequantized; unless False, an
+        output table (the embedding, when tied) in one of those types is also kept packed for the lm_head. Parts
+        fused into one weight (q|k|v, gate|up) stay packed only when they share a type: a Q4_K_M file's q|k|v in
+        the layers whose v is Q6_K is de-quantized.
     timings : dict, optional
         Filled with the seconds each step took: ``header`` (metadata and tensor index), ``weights`` and
         ``tokenizer`` (these two run at the same time).

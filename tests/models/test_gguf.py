@@ -300,11 +300,11 @@ def test_unsupported_quant_type(tmp_path):
 
 
 def test_keep_quantized_rejects_inexact_types(tmp_path):
-    q4_k = raw_blocks(Q.Q4_K, TINY["heads"] * TINY["head_dim"], TINY["hidden"])
-    path = write_tiny(tmp_path / "q4k.gguf", raw={"blk.0.attn_q.weight": (q4_k, Q.Q4_K)})
+    q3_k = raw_blocks(Q.Q3_K, TINY["heads"] * TINY["head_dim"], TINY["hidden"])
+    path = write_tiny(tmp_path / "q3k.gguf", raw={"blk.0.attn_q.weight": (q3_k, Q.Q3_K)})
     with pytest.warns(UserWarning, match="no tokenizer"):
-        load_gguf(path)  # dequantizing Q4_K is fine
-    with pytest.raises(CheckpointError, match=r"'blk.0.attn_q.weight' is Q4_K, which keep_quantized cannot"):
+        load_gguf(path)  # dequantizing Q3_K is fine
+    with pytest.raises(CheckpointError, match=r"'blk.0.attn_q.weight' is Q3_K, which keep_quantized cannot"):
         load_gguf(path, keep_quantized=True)
 
 

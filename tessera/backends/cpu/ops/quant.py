@@ -18,6 +18,7 @@ import torch
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _dequant_bf16 as dequant_bf16
 from tessera.backends.cpu.ops import _gemv as float_gemv
+from tessera.backends.cpu.ops import _ggml_kernels as ggml
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops import _quant_kernels as kernels
 from tessera.backends.cpu.ops._narrow import group_view
@@ -31,6 +32,9 @@ SMALL_M = 8
 #: 576 x 1536, 960 x 576): int4 / int4_min between 128 and 256 rows (at 32 rows the GEMV took 1.1 ms vs 3.9 for the
 #: tiles), int8 between 64 and 128.
 QUANT_GEMV_MAX_M = {"int4": 128, "int4_min": 128, "int8": 64, "fp8_e4m3": 64}
+#: the ggml block formats' GEMV (one float32 decode per weight row, shared by the x rows) up to this many x rows; not
+#: yet measured against the BLAS tiles, so set where the decode is clearly amortized
+GGML_GEMV_MAX_M = 16
 TILE_N = 512
 #: below this many multiply-adds (M * N * K) the float GEMV runs on the calling thread: waking the thread pool
 #: (~50 us) costs more than splitting the read saves (576 x 576 and 1536 x 576 at M = 1 are faster serial)
@@ -65,7 +69,32 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int) -> QuantizedWeight:
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    if qw.fmt in ggml.FMT_CODES:
+        return _ggml_rows(qw, 0, qw.shape[0])
     return dequantize_in(qw, torch.float32)
+
+
+def _ggml_rows(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a ggml block-format weight, de-quantized to float32 ``[hi - lo, K]``."""
+    out = torch.empty(hi - lo, qw.shape[1], dtype=torch.float32)
+    if hi > lo:
+        ggml.dequantize_rows(qw.data.numpy(), ggml.FMT_CODES[qw.fmt], qw.shape[1], lo, out.numpy())
+    return out
+
+
+def _ggml_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """float32 ``x @ W.T`` for a ggml block format: each weight row decoded once and dotted with every x row up to
+    :data:`GGML_GEMV_MAX_M` rows; above, tiles of :data:`TILE_N` rows de-quantized and run through BLAS."""
+    m, n = x.shape[0], qw.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m <= GGML_GEMV_MAX_M:
+        ggml.gemv(x.numpy(), qw.data.numpy(), ggml.FMT_CODES[qw.fmt], out.numpy())
+        return out
+    tile_n = tuned("quant_tile_n", None, TILE_N)
+    for lo in range(0, n, tile_n):
+        hi = min(n, lo + tile_n)
+        np.matmul(x.numpy(), _ggml_rows(qw, lo, hi).numpy().T, out=out.numpy()[:, lo:hi])
+    return out
 
 
 def blas_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -165,6 +194,8 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if x.shape[0] == 0 or qw.shape[0] == 0:
         return torch.zeros(x.shape[0], qw.shape[0], dtype=x.dtype)
     xf = x.float().contiguous()
+    if qw.fmt in ggml.FMT_CODES:
+        return _ggml_matmul(xf, qw).to(x.dtype)
     gemv_max_m = tuned("quant_gemv_max_m", qw.fmt, QUANT_GEMV_MAX_M.get(qw.fmt, SMALL_M))
     out = _gemv(xf, qw) if x.shape[0] <= gemv_max_m else _gemm_tiled(xf, qw)
     return out.to(x.dtype)

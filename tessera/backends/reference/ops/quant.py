@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.kernels.ggml_blocks import BLOCKS, dequantize_rows
 from tessera.kernels.quant import QuantizedWeight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -67,6 +68,8 @@ def codes(qw: QuantizedWeight, dt: torch.dtype) -> torch.Tensor:
 
 def dequantize_in(qw: QuantizedWeight, dt: torch.dtype) -> torch.Tensor:
     """``w [N, K]`` in ``dt`` from the packed formats' formulas."""
+    if qw.fmt in BLOCKS:  # ggml's blocks, by their definition
+        return dequantize_rows(qw.data, qw.fmt, qw.shape[1], dt)
     q = codes(qw, dt)
     s = qw.scales.to(dt)[..., None]
     if qw.fmt == "int4":

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from tessera.backends.reference.ops.quant import dequantize_in
 from tessera.backends.triton.configs import interpreting
+from tessera.kernels.ggml_blocks import BLOCKS, dequantize_rows
 from tessera.kernels.quant import QuantizedWeight
 
 FMT_FLOAT, FMT_INT8, FMT_INT4, FMT_INT4_MIN = 0, 1, 2, 3
@@ -92,6 +93,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     n = qw.shape[0]
+    if qw.fmt in BLOCKS:  # ggml's blocks: de-quantized by torch ops on the device, then the float kernel
+        return _launch(x, dequantize_rows(qw.data, qw.fmt, qw.shape[1], torch.float32), None, None, n, FMT_FLOAT, 1)
     if qw.fmt == "fp8_e4m3":
         return _launch(x, dequantize_in(qw, torch.float32), None, None, n, FMT_FLOAT, 1)
     offsets = qw.zeros if qw.fmt == "int4" else qw.mins
@@ -244,6 +247,8 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int) -> QuantizedWeight:
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     n, k = qw.shape
+    if qw.fmt in BLOCKS:
+        return dequantize_rows(qw.data, qw.fmt, k, torch.float32)
     out = torch.empty(n, k, dtype=torch.float32, device=qw.device)
     if n:
         data = qw.data.view(torch.uint8) if qw.fmt == "fp8_e4m3" else qw.data

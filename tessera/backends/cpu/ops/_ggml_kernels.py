@@ -1,0 +1,111 @@
+"""Numba kernels for ggml's block formats kept whole (:mod:`tessera.kernels.ggml_blocks`: Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K): a GEMV that decodes each weight row once into float32 (in L1) and dots it with every row of x, and a row
+de-quantizer for the tiles of the BLAS path.
+
+Float activations, float32 accumulation: the portable kernel on every CPU. Each row's decode is amortized over the M
+rows of x; at M = 1 it costs about as much as the dot, so decode is not yet at the memory roof that int8-activation
+dot products (as the Q4_0/Q4_1/Q8_0 ``qgemv`` variants use) would reach.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from tessera.backends.cpu.numba_math import widen
+
+#: format -> the kernels' integer code for it
+FMT_CODES = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+_VALUES = (32, 32, 256, 256, 256)
+_BYTES = (22, 24, 144, 176, 210)
+
+
+@njit(inline="always")
+def _half(row, at):  # pragma: no cover - compiled
+    return widen(np.int16(np.int64(row[at]) | (np.int64(row[at + 1]) << 8)))
+
+
+@njit(inline="always")
+def _k_scale_min(row, o, j):  # pragma: no cover - compiled
+    """The 6-bit scale and min of sub-block ``j`` (0..7) of the q4_k / q5_k block at byte ``o``."""
+    s = o + 4
+    if j < 4:
+        return np.int64(row[s + j]) & 63, np.int64(row[s + j + 4]) & 63
+    sc = (np.int64(row[s + j + 4]) & 15) | ((np.int64(row[s + j - 4]) >> 6) << 4)
+    mn = (np.int64(row[s + j + 4]) >> 4) | ((np.int64(row[s + j]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(fastmath=True)
+def _decode_row(row, fmt, k, out):  # pragma: no cover - compiled
+    """float32 ``out[:k]`` <- one row of blocks."""
+    values, size = _VALUES[fmt], _BYTES[fmt]
+    for blk in range(k // values):
+        o, base = blk * size, blk * values
+        if fmt <= 1:  # q5_0, q5_1
+            d = _half(row, o)
+            at = o + 2 if fmt == 0 else o + 4
+            m = np.float32(-16.0) * d if fmt == 0 else _half(row, o + 2)
+            qh = (np.int64(row[at]) | (np.int64(row[at + 1]) << 8) | (np.int64(row[at + 2]) << 16)
+                  | (np.int64(row[at + 3]) << 24))
+            for j in range(16):
+                b = np.int64(row[at + 4 + j])
+                lo = (b & 15) | (((qh >> j) & 1) << 4)
+                hi = (b >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                out[base + j] = np.float32(lo) * d + m
+                out[base + j + 16] = np.float32(hi) * d + m
+        elif fmt <= 3:  # q4_k, q5_k
+            d, dmin = _half(row, o), _half(row, o + 2)
+            qs = o + 16 if fmt == 2 else o + 48
+            for c in range(4):
+                sc0, m0 = _k_scale_min(row, o, 2 * c)
+                sc1, m1 = _k_scale_min(row, o, 2 * c + 1)
+                d0, d1 = d * np.float32(sc0), d * np.float32(sc1)
+                n0, n1 = dmin * np.float32(m0), dmin * np.float32(m1)
+                for lane in range(32):
+                    q = np.int64(row[qs + 32 * c + lane])
+                    q0, q1 = q & 15, q >> 4
+                    if fmt == 3:
+                        h = np.int64(row[o + 16 + lane])
+                        q0 += ((h >> (2 * c)) & 1) << 4
+                        q1 += ((h >> (2 * c + 1)) & 1) << 4
+                    out[base + 64 * c + lane] = d0 * np.float32(q0) - n0
+                    out[base + 64 * c + 32 + lane] = d1 * np.float32(q1) - n1
+        else:  # q6_k
+            d = _half(row, o + 208)
+            for h in range(2):
+                ql, qh, sc = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h
+                for lane in range(32):
+                    a, b = np.int64(row[ql + lane]), np.int64(row[ql + lane + 32])
+                    hb = np.int64(row[qh + lane])
+                    s = sc + lane // 16
+                    q1 = ((a & 15) | ((hb & 3) << 4)) - 32
+                    q2 = ((b & 15) | (((hb >> 2) & 3) << 4)) - 32
+                    q3 = ((a >> 4) | (((hb >> 4) & 3) << 4)) - 32
+                    q4 = ((b >> 4) | (((hb >> 6) & 3) << 4)) - 32
+                    at = base + 128 * h + lane
+                    out[at] = d * np.float32(np.int8(row[s])) * np.float32(q1)
+                    out[at + 32] = d * np.float32(np.int8(row[s + 2])) * np.float32(q2)
+                    out[at + 64] = d * np.float32(np.int8(row[s + 4])) * np.float32(q3)
+                    out[at + 96] = d * np.float32(np.int8(row[s + 6])) * np.float32(q4)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gemv(x, data, fmt, out):  # pragma: no cover - compiled
+    """float32 ``out [M, N] = x [M, K] @ W.T`` for the rows of blocks ``data [N, row_bytes]`` in format ``fmt``."""
+    m, k = x.shape
+    for i in prange(data.shape[0]):
+        w = np.empty(k, np.float32)
+        _decode_row(data[i], fmt, k, w)
+        for r in range(m):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += w[j] * x[r, j]
+            out[r, i] = acc
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def dequantize_rows(data, fmt, k, lo, out):  # pragma: no cover - compiled
+    """float32 ``out [R, K]`` <- rows ``lo : lo + R`` of ``data``."""
+    for i in prange(out.shape[0]):
+        _decode_row(data[lo + i], fmt, k, out[i])

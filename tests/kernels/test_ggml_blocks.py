@@ -1,0 +1,117 @@
+"""ggml's block formats kept whole (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): Tessera's definition and every backend's
+dequantize and qmatmul against gguf-py's de-quantizer (the independent oracle) on random blocks, odd row counts and
+x row counts on both sides of the GEMV / BLAS-tile switch; loading them packed from a GGUF file; and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.kernels import ggml_blocks as G
+from tessera.kernels import quant as Q
+from tests.kernels.conftest import kernel_backends
+from tests.kernels.tolerances import assert_close_to_oracle
+
+gguf = pytest.importorskip("gguf")
+
+#: byte offsets of each block's f16 fields: set to finite values (random bytes would make NaN / inf scales)
+_HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 ``[n, row_bytes]`` of random blocks with finite scales of both signs and mixed magnitudes."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 256, size=(n, G.row_bytes(fmt, k)), dtype=np.uint8)
+    blocks = rows.reshape(-1, G.BLOCKS[fmt][2])
+    for at in _HALVES[fmt]:
+        scale = rng.uniform(-1, 1, size=(blocks.shape[0], 1)) * 10.0 ** rng.integers(-3, 1, size=(blocks.shape[0], 1))
+        blocks[:, at:at + 2] = scale.astype(np.float16).view(np.uint8)
+    return rows
+
+
+def oracle(rows: np.ndarray, fmt: str) -> torch.Tensor:
+    """gguf-py's de-quantization, float64 ``[n, k]``."""
+    tid = G.BLOCKS[fmt][0]
+    return torch.from_numpy(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(tid)).astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
+def test_definition_matches_gguf_py(fmt: str) -> None:
+    rows = random_rows(fmt, 5, 3 * G.BLOCKS[fmt][1], seed=1)
+    want = oracle(rows, fmt)
+    got = G.dequantize_rows(torch.from_numpy(rows), fmt, want.shape[1])
+    # gguf-py computes in float32: its values are ours rounded once or twice
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("fmt", sorted(G.BLOCKS))
+@pytest.mark.parametrize("m", [0, 1, 3, 17, 40])  # 17 and 40: past the GEMV's 16 rows, the BLAS tiles
+def test_qmatmul_and_dequantize_match_gguf_py(backend: str, fmt: str, m: int) -> None:
+    n, k = 7, 3 * G.BLOCKS[fmt][1]  # an odd row count, three blocks per row
+    rows = random_rows(fmt, n, k, seed=2 + m)
+    qw = Q.from_gguf(rows, G.BLOCKS[fmt][0], (n, k))
+    assert qw.fmt == fmt and qw.scales is None and qw.nbytes == rows.nbytes
+    w = oracle(rows, fmt)
+    assert_close_to_oracle(Q.dequantize(qw, backend=backend), w, torch.float32, f"{backend} dequantize {fmt}")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    out = Q.qmatmul(x, qw, backend=backend)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert_close_to_oracle(out, x.double() @ w.T, torch.float32, f"{backend} qmatmul {fmt} m={m}", reduction=True)
+
+
+def test_from_gguf_keeps_the_rows_without_copying() -> None:
+    rows = random_rows("q4_k", 3, 512, seed=3)
+    qw = Q.from_gguf(rows, "Q4_K", (3, 512))
+    assert qw.data.data_ptr() == rows.ctypes.data  # a view: a mapped file's pages are not duplicated
+    assert Q.from_gguf(rows.tobytes(), "q4_k", (3, 512)).data.shape == (3, 288)  # bytes are copied, and work
+
+
+def test_bad_input_is_named() -> None:
+    rows = random_rows("q6_k", 2, 256, seed=4)
+    with pytest.raises(ValueError, match=r"Q6_K \(2, 512\): expected 840 bytes"):
+        Q.from_gguf(rows, "Q6_K", (2, 512))
+    with pytest.raises(ValueError, match="multiple of its block of 256"):
+        Q.from_gguf(rows, "Q6_K", (2, 128))
+    with pytest.raises(ValueError, match="scales, zeros and mins live inside its blocks"):
+        Q.QuantizedWeight("q6_k", (2, 256), 256, torch.from_numpy(rows), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="quantize makes"):
+        Q.quantize(torch.randn(4, 256), "q4_k")
+
+
+def test_a_gguf_file_keeps_its_block_format_projections_packed(tmp_path) -> None:
+    """A tiny Llama whose projections are Q4_K (q, k, o, gate, up), Q6_K (v of layer 1: its q|k|v mixes types, so
+    it is de-quantized, as a Q4_K_M file's are) and Q5_1 / Q5_0 (down, whose K = 64 is below a K-quant block) loads
+    with every single-type projection packed, each equal to its de-quantized twin, and the same logits."""
+    from tessera.kernels.quant import QuantizedWeight
+    from tessera.models.gguf import load_gguf
+    from tests.models.test_gguf import TINY, write_tiny
+
+    h, f, d = TINY["hidden"], TINY["ffn"], TINY["head_dim"]
+    shapes = {"attn_q": (TINY["heads"] * d, h), "attn_k": (TINY["kv_heads"] * d, h), "attn_v": (TINY["kv_heads"] * d, h),
+              "attn_output": (h, TINY["heads"] * d), "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
+    raw = {}
+    for layer in range(TINY["layers"]):
+        for i, (name, (n, k)) in enumerate(shapes.items()):
+            fmt = "q4_k"
+            if name == "ffn_down":
+                fmt = "q5_1" if layer else "q5_0"
+            elif name == "attn_v" and layer == 1:
+                fmt = "q6_k"
+            rows = random_rows(fmt, n, k, seed=10 * layer + i)
+            tid = gguf.GGMLQuantizationType(G.BLOCKS[fmt][0])
+            raw[f"blk.{layer}.{name}.weight"] = (rows, tid)
+    path = write_tiny(tmp_path / "k.gguf", raw=raw)
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        dense, packed = load_gguf(path, keep_quantized=False), load_gguf(path)
+    kinds = {name: w.fmt for name, w in packed.weights.items() if isinstance(w, QuantizedWeight)}
+    assert kinds == {"layers.0.qkv.weight": "q4_k", "layers.0.o.weight": "q4_k", "layers.0.gate_up.weight": "q4_k",
+                     "layers.0.down.weight": "q5_0", "layers.1.o.weight": "q4_k",
+                     "layers.1.gate_up.weight": "q4_k", "layers.1.down.weight": "q5_1"}, kinds
+    for name, w in packed.weights.items():
+        got = Q.dequantize(w) if isinstance(w, QuantizedWeight) else w
+        torch.testing.assert_close(got, dense.weights[name], rtol=1e-6, atol=1e-6 * float(got.abs().max()),
+                                   msg=name)
+    ids = torch.randint(0, TINY["vocab"], (1, 9), generator=torch.Generator().manual_seed(1))
+    assert_close_to_oracle(packed.logits(ids), dense.logits(ids).double(), torch.float32, "logits", reduction=True)
