@@ -127,6 +127,9 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         building = pool.submit(_timed, steps, "tokenizer", _tokenizer, meta)
         weights = _timed(steps, "weights", load_weights, tensors, config, family, arch, torch_dtype, keep_quantized)
         tokenizer, notes = building.result()
+    # the file's pages that were read to build copies (fused q|k|v and gate|up, un-permuted rows, de-quantized
+    # tensors) would otherwise stay resident beside the copies: a second model's worth for a packed file
+    reader.release_pages()
     for note in notes:  # warned here, on the caller's thread, and only once the weights loaded
         warnings.warn(f"{path}: {note}", stacklevel=2)
     if timings is not None:

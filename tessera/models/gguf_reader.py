@@ -119,6 +119,21 @@ class GGUFFile:
     tensors: tuple[TensorInfo, ...]
     alignment: int
     data_offset: int
+    #: the private mapping the tensors' views point into (None for a file read another way)
+    mapping: mmap.mmap | None = None
+
+    def release_pages(self) -> None:
+        """Drop the mapping's pages from this process's resident set once the weights that needed copies have them.
+
+        The mapping is private and nothing has written to it, so the kernel simply re-reads from the file (or the
+        page cache) any page a view still touches: the views stay valid, and only what they read comes back. Called
+        by the loader right after it gathers the weights; never after a weight that is a view could have been
+        written (a written page is the process's own, and this would drop the write)."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self.mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # an advice the platform refuses costs only memory
+                pass
 
     @property
     def tensor_index(self) -> dict[str, TensorInfo]:
@@ -194,7 +209,7 @@ class _Parser:
             if name in tensors:
                 raise GGUFFormatError(f"{self.path}: tensor {name!r} appears twice in the tensor index")
             tensors[name] = self._tensor(name, ne, type_id, offset, data_offset, alignment)
-        return GGUFFile(self.path, version, metadata, tuple(tensors.values()), alignment, data_offset)
+        return GGUFFile(self.path, version, metadata, tuple(tensors.values()), alignment, data_offset, self.buf)
 
     def _tensor_entry(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string("a tensor name")
