@@ -90,17 +90,67 @@ def _decode_row(row, fmt, k, out):  # pragma: no cover - compiled
                         out[at + 96] = f4 * np.float32(((b >> 4) | (((hb >> 6) & 3) << 4)) - 32)
 
 
+@njit(fastmath=True)
+def _decode_row_q4k_nibble_order(row, k, out):  # pragma: no cover - compiled
+    """A q4_k row into float32 ``out`` in the order its bytes hold the values: per block, the 128 low nibbles, then
+    the 128 high ones (value ``64c + l`` is at ``l + 32c`` and ``64c + 32 + l`` at ``128 + 32c + l``). One loop of
+    128 lanes with the sub-block's scale picked per lane vectorizes; four loops of 32 in value order are unrolled by
+    Numba and left scalar. :func:`nibble_order` puts x in the same order."""
+    for blk in range(k // 256):
+        o, base = blk * 144, blk * 256
+        d, dmin = _half(row, o), _half(row, o + 2)
+        sa, ma = _k_scale_min(row, o, 0)
+        sb, mb = _k_scale_min(row, o, 1)
+        sc_, mc = _k_scale_min(row, o, 2)
+        sd, md = _k_scale_min(row, o, 3)
+        se, me = _k_scale_min(row, o, 4)
+        sf, mf = _k_scale_min(row, o, 5)
+        sg, mg = _k_scale_min(row, o, 6)
+        sh, mh = _k_scale_min(row, o, 7)
+        lo_s = (d * np.float32(sa), d * np.float32(sc_), d * np.float32(se), d * np.float32(sg))
+        hi_s = (d * np.float32(sb), d * np.float32(sd), d * np.float32(sf), d * np.float32(sh))
+        lo_m = (dmin * np.float32(ma), dmin * np.float32(mc), dmin * np.float32(me), dmin * np.float32(mg))
+        hi_m = (dmin * np.float32(mb), dmin * np.float32(md), dmin * np.float32(mf), dmin * np.float32(mh))
+        for lane in range(128):  # the sub-block's scale chosen by selects, which vectorize (blends)
+            c = lane >> 5
+            s0 = lo_s[0] if c == 0 else lo_s[1] if c == 1 else lo_s[2] if c == 2 else lo_s[3]
+            s1 = hi_s[0] if c == 0 else hi_s[1] if c == 1 else hi_s[2] if c == 2 else hi_s[3]
+            m0 = lo_m[0] if c == 0 else lo_m[1] if c == 1 else lo_m[2] if c == 2 else lo_m[3]
+            m1 = hi_m[0] if c == 0 else hi_m[1] if c == 1 else hi_m[2] if c == 2 else hi_m[3]
+            q = np.int32(row[o + 16 + lane])
+            out[base + lane] = s0 * np.float32(q & 15) - m0
+            out[base + 128 + lane] = s1 * np.float32(q >> 4) - m1
+
+
+@njit(cache=True)
+def nibble_order(x):  # pragma: no cover - compiled
+    """x ``[M, K]`` permuted within each 256-value block to q4_k's nibble order (see above)."""
+    out = np.empty_like(x)
+    for r in range(x.shape[0]):
+        for base in range(0, x.shape[1], 256):
+            for lane in range(128):
+                src = base + 64 * (lane >> 5) + (lane & 31)
+                out[r, base + lane] = x[r, src]
+                out[r, base + 128 + lane] = x[r, src + 32]
+    return out
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def gemv(x, data, fmt, out):  # pragma: no cover - compiled
     """float32 ``out [M, N] = x [M, K] @ W.T`` for the rows of blocks ``data [N, row_bytes]`` in format ``fmt``."""
     m, k = x.shape
+    q4k = fmt == 2
+    xs = nibble_order(x) if q4k else x
     for i in prange(data.shape[0]):
         w = np.empty(k, np.float32)
-        _decode_row(data[i], fmt, k, w)
+        if q4k:
+            _decode_row_q4k_nibble_order(data[i], k, w)
+        else:
+            _decode_row(data[i], fmt, k, w)
         for r in range(m):
             acc = np.float32(0.0)
             for j in range(k):
-                acc += w[j] * x[r, j]
+                acc += w[j] * xs[r, j]
             out[r, i] = acc
 
 
