@@ -1,7 +1,8 @@
 """The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings), ``tessera validate``
 (a model against transformers, layer by layer), ``tessera generate`` (stream a completion), ``tessera warmup``
 (compile a model's kernels ahead of its first run), ``tessera serve`` (the OpenAI-compatible server), ``tessera
-profile`` (where a request's time goes) and ``tessera bench`` (benchmarks, comparisons, plots).
+profile`` (where a request's time goes), ``tessera bench`` (benchmarks, comparisons, plots) and ``tessera quantize``
+(a model written as a quantized GGUF file).
 
 Run as ``tessera <command>`` (the installed entry point) or ``python -m tessera <command>``.
 """
@@ -59,7 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
     # light: torch loads when one runs
-    from tessera.tools import bench, generate, profile, serve, tune, validate, warmup
+    from tessera.tools import bench, generate, profile, quantize, serve, tune, validate, warmup
 
     validate.add_parser(commands)
     generate.add_parser(commands)
@@ -68,6 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
     profile.add_parser(commands)
     bench.add_parser(commands)
     tune.add_parser(commands)
+    quantize.add_parser(commands)
     return parser
 
 

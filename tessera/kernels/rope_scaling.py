@@ -5,6 +5,9 @@ evaluated in float64 (transformers evaluates them in float32). Every rule return
 ``inv_freq`` float64 ``[rotary_dim // 2]`` (``angle = position * inv_freq[i]``) and the factor that multiplies
 both cos and sin (1 except for ``yarn`` and ``longrope``).
 
+One rule is not Hugging Face's: ``freq_factors`` divides each frequency by a given factor, which is how a GGUF file's
+``rope_freqs`` tensor states its scaling (llama.cpp's converter bakes the llama3 rule into it).
+
 ``params`` is the flat ``rope_parameters`` dict of a config (``rope_type`` plus that type's keys);
 ``max_position_embeddings`` is the config's value of that name, which several rules fall back on.
 """
@@ -17,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "freq_factors")
 
 
 def _base_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
@@ -110,8 +113,20 @@ def _longrope(rotary_dim, base, params, max_position_embeddings, seq_len):
     return _base_inv_freq(rotary_dim, base) / ext, float(attention)
 
 
+def _freq_factors(rotary_dim, base, params, max_position_embeddings, seq_len):
+    """llama.cpp's ``rope_freqs`` tensor: one divisor per frequency, whatever rule produced it (GGUF files of Llama
+    3.1+ carry the llama3 rule this way and no rope_scaling keys)."""
+    factors = np.asarray(_need(params, "factors"), dtype=np.float64)
+    if factors.shape != (rotary_dim // 2,):
+        raise ValueError(f"freq_factors needs rotary_dim // 2 = {rotary_dim // 2} factors, got shape "
+                         f"{factors.shape}")
+    if not np.all(factors > 0):
+        raise ValueError("freq_factors must all be > 0 (they divide the frequencies)")
+    return _base_inv_freq(rotary_dim, base) / factors, 1.0
+
+
 _RULES = {"default": lambda d, b, p, m, s: (_base_inv_freq(d, b), 1.0), "linear": _linear, "dynamic": _dynamic,
-          "llama3": _llama3, "yarn": _yarn, "longrope": _longrope}
+          "llama3": _llama3, "yarn": _yarn, "longrope": _longrope, "freq_factors": _freq_factors}
 
 
 def inv_freq_f64(rotary_dim: int, base: float, params: Mapping[str, Any], max_position_embeddings: int,

@@ -3,14 +3,15 @@
 The header is parsed by :mod:`tessera.models.gguf_reader` and the tensor data stays memory-mapped: only what must
 be float is de-quantized (:mod:`tessera.models.gguf_dequant`), and F32 tensors loaded as float32 are views of the
 mapped file. Its metadata becomes a Hugging Face-style config dict that the family module turns into a
-:class:`ModelConfig`, so a GGUF model and the same model's safetensors directory share every line after the reader.
-Tensors are renamed to the Hugging Face checkpoint names the family's :class:`WeightSpec` list asks for and assembled
-the same way (q|k|v and gate|up fused).
+:class:`ModelConfig` (:mod:`tessera.models.gguf_arch`), so a GGUF model and the same model's safetensors directory
+share every line after the reader. Each canonical weight the family's :class:`WeightSpec` list names is gathered from
+its GGUF tensors (:data:`tessera.models.gguf_names.LAYER_TENSORS`): q|k|v and gate|up fused, expert tensors stacked.
 
-Two things differ from a safetensors checkpoint:
+What differs from a safetensors checkpoint:
 
-* llama.cpp's converter interleaves the two rotary halves of every Q and K head (llama.cpp rotates adjacent pairs,
-  Hugging Face rotates the halves); :func:`unpermute_rows` restores the order for the architectures it applies to.
+* llama.cpp's converter interleaves the two rotary halves of every Q and K head for the architectures llama.cpp
+  runs with adjacent-pair RoPE (llama, Mixtral); :func:`unpermute_rows` restores Hugging Face's order.
+* Gemma's norm weights are stored as ``1 + w``; the model runs them as plain RMSNorm weights, as llama.cpp does.
 * Projections are usually quantized. By default those in Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K stay
   packed as :class:`QuantizedWeight` (held exactly; the un-permutation moves whole rows, so it is exact too) and the
   others are de-quantized to the requested dtype; ``keep_quantized`` chooses otherwise.
@@ -22,12 +23,10 @@ Two things differ from a safetensors checkpoint:
 
 from __future__ import annotations
 
-import re
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,11 @@ import torch
 
 from tessera.kernels.quant import QuantizedWeight, from_gguf
 from tessera.models.config import ModelConfig
-from tessera.models.families import all_families
-from tessera.models.families.common import Family, WeightSpec
+from tessera.models.families.common import Family
 from tessera.models.ggml_types import GGMLType
+from tessera.models.gguf_arch import ARCHITECTURES, GGUFArch, config_from_gguf  # noqa: F401 - public here too
 from tessera.models.gguf_dequant import dequantize
+from tessera.models.gguf_names import assemble, expected_shape, gguf_sources
 from tessera.models.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 from tessera.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer_quietly
 from tessera.models.hf import CheckpointError, check_shapes
@@ -52,29 +52,10 @@ _PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q4_K, _T.Q5_K, _T.Q
 _STORED_AS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 
 
-@dataclass(frozen=True)
-class GGUFArch:
-    """How one ``general.architecture`` maps onto a Tessera family."""
-
-    family: str
-    permuted_qk: bool  # llama.cpp's converter interleaved the rotary halves of Q and K rows
-
-
-#: ``general.architecture`` -> rule; Mistral files say "llama" too (they run as Llama when no window is set)
-ARCHITECTURES = {"llama": GGUFArch("llama", permuted_qk=True),
-                 "qwen2": GGUFArch("qwen2", permuted_qk=False),
-                 "qwen3": GGUFArch("qwen3", permuted_qk=False)}
-
-# Hugging Face module path -> GGUF tensor name, per layer ("blk.{i}.<name>") and global
-_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-                "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # The embedding table and 1-D tensors stay float: lookups and norms read floats. A packable output table also goes to
-# the lm_head packed (see _add_packed_output).
-_ALWAYS_FLOAT = ("model.embed_tokens.weight", "lm_head.weight")
+# the lm_head packed (see _add_packed_output). Only the dense projections below may stay packed: the MoE kernel,
+# the router and the shared expert read floats.
+_PACKED_LAYER_WEIGHTS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
 
 
 def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backend: str = "auto", *,
@@ -91,13 +72,14 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         Kernel backend the returned model runs on ("auto", "cpu", "reference", "triton").
     keep_quantized : bool or None
         Whether the 2-D projections (``qkv``, ``o``, ``gate_up``, ``down``) stay packed as :class:`QuantizedWeight`
-        (exact for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K; float-typed projections stay float). None (the default, as llama.cpp runs a
-        file): every projection whose type can stay packed does, the others are dequantized. True: every quantized
-        projection must stay packed, any other type raises. False: all are dequantized to ``torch_dtype`` (the
-        weights transformers computes with). The embedding table and norms are always dequantized; unless False, an
-        output table (the embedding, when tied) in one of those types is also kept packed for the lm_head. Parts
-        fused into one weight (q|k|v, gate|up) stay packed only when they share a type: a Q4_K_M file's q|k|v in
-        the layers whose v is Q6_K is de-quantized.
+        (exact for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K; float-typed projections stay float). None
+        (the default, as llama.cpp runs a file): every projection whose type can stay packed does, the others are
+        dequantized. True: every quantized projection must stay packed, any other type raises. False: all are
+        dequantized to ``torch_dtype`` (the weights transformers computes with). The embedding table, norms,
+        experts, router and shared expert are always dequantized; unless False, an output table (the embedding,
+        when tied) in one of those types is also kept packed for the lm_head. Parts fused into one weight (q|k|v,
+        gate|up) stay packed only when they share a type: a Q4_K_M file's q|k|v in the layers whose v is Q6_K is
+        de-quantized.
     timings : dict, optional
         Filled with the seconds each step took: ``header`` (metadata and tensor index), ``weights`` and
         ``tokenizer`` (these two run at the same time).
@@ -162,93 +144,6 @@ def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     return reader.metadata
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: dict[str, TensorInfo], path: str | Path = "<gguf>"
-                     ) -> tuple[GGUFArch, Family, ModelConfig]:
-    """The file's architecture rule, family and :class:`ModelConfig` (via an HF-style config dict)."""
-    name = meta.get("general.architecture")
-    if name not in ARCHITECTURES:
-        raise CheckpointError(f"{path}: GGUF architecture {name!r} is not supported; supported: "
-                              f"{sorted(ARCHITECTURES)}")
-    arch = ARCHITECTURES[name]
-    family = all_families()[arch.family]
-    if meta.get(f"{name}.expert_count"):
-        raise CheckpointError(f"{path}: mixture-of-experts GGUF files ({name}.expert_count = "
-                              f"{meta[f'{name}.expert_count']}) are not supported yet; load the Hugging Face "
-                              "checkpoint instead")
-    if "rope_freqs.weight" in tensors:
-        raise CheckpointError(f"{path} has a rope_freqs tensor (Llama 3.1-style per-frequency RoPE factors), which "
-                              "the GGUF loader does not read yet; load the Hugging Face checkpoint instead")
-    return arch, family, family.config_from_hf(hf_config(meta, tensors, name, arch.family, path))
-
-
-def hf_config(meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str, model_type: str,
-              path: str | Path = "<gguf>") -> dict[str, Any]:
-    """The Hugging Face ``config.json`` keys the families read, from ``{arch}.*`` and ``tokenizer.ggml.*`` keys."""
-    def get(key: str, default: Any = None, required: bool = False) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if required and value is None:
-            raise CheckpointError(f"{path}: GGUF metadata key {arch}.{key!r} is missing; the file is incomplete")
-        if isinstance(value, list):
-            raise CheckpointError(f"{path}: {arch}.{key} is a per-layer list {value[:4]}...; Tessera needs one "
-                                  "value for every layer")
-        return value
-
-    hidden, heads = get("embedding_length", required=True), get("attention.head_count", required=True)
-    head_dim = get("attention.key_length", hidden // heads)
-    rope_dim = get("rope.dimension_count", head_dim)
-    embed = tensors.get("token_embd.weight")  # its rows are the model's vocabulary (ne = [hidden, vocab])
-    vocab = get("vocab_size") or (int(embed.ne[-1]) if embed is not None else None) or len(
-        meta.get("tokenizer.ggml.tokens", ()))
-    hf = {
-        "model_type": model_type,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length", required=True),
-        "num_hidden_layers": get("block_count", required=True),
-        "num_attention_heads": heads,
-        "num_key_value_heads": get("attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "max_position_embeddings": get("context_length", 2048),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": get("rope.freq_base", 10000.0),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-    }
-    if rope_dim != head_dim:
-        hf["partial_rotary_factor"] = rope_dim / head_dim
-    linear = get("rope.scale_linear")  # the key older converters wrote for linear scaling
-    scaling = rope_scaling(get("rope.scaling.type", "linear" if linear else None),
-                           get("rope.scaling.factor", linear), path)
-    if scaling:
-        hf["rope_scaling"] = scaling
-    return hf
-
-
-def rope_scaling(kind: str | None, factor: float | None, path: str | Path = "<gguf>") -> dict[str, Any] | None:
-    """HF ``rope_scaling`` for GGUF's ``rope.scaling.type``: none or linear (others change more than the factor)."""
-    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
-    raise CheckpointError(f"{path}: GGUF rope.scaling.type {kind!r} is not supported; supported: ['none', 'linear']")
-
-
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name of a Hugging Face checkpoint name (``model.layers.3.mlp.up_proj.weight`` ->
-    ``blk.3.ffn_up.weight``)."""
-    match = _HF_LAYER.match(hf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
-    module, _, suffix = hf_name.rpartition(".")
-    if module in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[module]}.{suffix}"
-    raise CheckpointError(f"no GGUF name is known for checkpoint tensor {hf_name!r}; the GGUF loader maps "
-                          f"{sorted(_LAYER_NAMES)} per layer and {sorted(_GLOBAL_NAMES)}")
-
-
 def unpermute_rows(num_heads: int, head_dim: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's Q/K permutation: ``ours = file[index]``, int64 ``[num_heads * head_dim]``.
 
@@ -261,32 +156,39 @@ def unpermute_rows(num_heads: int, head_dim: int) -> torch.Tensor:
 
 def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Family, arch: GGUFArch,
                  dtype: torch.dtype, keep_quantized: bool | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Canonical weights from the file's tensors, by the family's :class:`WeightSpec` list (``keep_quantized`` as
-    in :func:`load_gguf`)."""
+    """Canonical weights from the file's tensors, for the names the family's :class:`WeightSpec` list gives
+    (``keep_quantized`` as in :func:`load_gguf`)."""
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for spec in family.weight_specs(config):
-        names = [gguf_name(s) for s in spec.sources]
-        missing = [n for n in names if n not in tensors]
+        source = gguf_sources(spec.name, tensors, arch)
+        missing = [n for n in source.names if n not in tensors]
         if missing and spec.optional:
             continue
         if missing:
             raise CheckpointError(f"GGUF tensor {missing[0]!r} is missing (needed for {spec.name!r} by the "
                                   f"{family.name} family); the file is incomplete or of another architecture")
-        packed = keep_quantized is not False and len(tensors[names[0]].shape) == 2 \
-            and spec.sources[0] not in _ALWAYS_FLOAT
+        parts = [tensors[n] for n in source.names]
+        for t in parts:
+            _check_shape(t, config, arch)
+        packed = keep_quantized is not False and _may_pack(spec.name)
         if spec.name == "lm_head" and keep_quantized is not False:
-            packed = tensors[names[0]].tensor_type in _PACKABLE  # an untied output table may stay packed
+            packed = parts[0].tensor_type in _PACKABLE  # an untied output table may stay packed
         if packed and keep_quantized is None:  # auto: pack only what can stay packed, parts fused in one format
-            types = {tensors[n].tensor_type for n in names}
+            types = {t.tensor_type for t in parts}
             packed = len(types) == 1 and types <= set(_PACKABLE)
-        parts = [tensors[n] for n in names]
-        weights[spec.name] = (_read_packed(spec, parts, config, arch) if packed and _any_quantized(parts) else
-                              _assemble(spec, [_read_float(t, hf, config, arch, dtype)
-                                               for t, hf in zip(parts, spec.sources)]))
+        if packed and _any_quantized(parts):
+            weights[spec.name] = _read_packed(spec.name, parts, config, arch)
+        else:
+            floats = [_read_float(t, spec.name, j, config, arch, dtype) for j, t in enumerate(parts)]
+            weights[spec.name] = assemble(source, floats)
     if keep_quantized is not False and "lm_head" not in weights:
         _add_packed_output(tensors, config, arch, weights)
     check_shapes(config, weights)
     return weights
+
+
+def _may_pack(name: str) -> bool:
+    return name == "lm_head" or (name.startswith("layers.") and name.split(".", 2)[2] in _PACKED_LAYER_WEIGHTS)
 
 
 def _add_packed_output(tensors: dict[str, TensorInfo], config: ModelConfig, arch: GGUFArch,
@@ -294,50 +196,34 @@ def _add_packed_output(tensors: dict[str, TensorInfo], config: ModelConfig, arch
     """A tied output table (the embedding) in a packable type also goes to the lm_head packed, as llama.cpp runs it:
     the logits GEMV then reads the file's bytes (SmolLM2's Q8_0 table: 30 MB) instead of the de-quantized float table
     (113 MB in fp32), the largest read of a small model's decode step. The float table stays for token lookups."""
-    name = gguf_name("model.embed_tokens.weight")
-    t = tensors.get(name)
+    t = tensors.get("token_embd.weight")
     if t is None or t.tensor_type not in _PACKABLE:
         return
-    weights["lm_head"] = _packed_rows(t, "lm_head.weight", config, arch)
-
-
-def _expected_shape(hf_name: str, config: ModelConfig) -> tuple[int, ...] | None:
-    """The shape the config implies for a checkpoint tensor (``(N, K)`` for a projection; None when unknown)."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    kind = hf_name.rsplit(".", 2)[-2]
-    shapes = {"input_layernorm": (h,), "post_attention_layernorm": (h,), "norm": (h,), "q_norm": (d,), "k_norm": (d,),
-              "q_proj": (config.num_heads * d, h), "k_proj": (config.num_kv_heads * d, h),
-              "v_proj": (config.num_kv_heads * d, h), "o_proj": (h, config.num_heads * d), "gate_proj": (i, h),
-              "up_proj": (i, h), "down_proj": (h, i), "embed_tokens": (config.vocab_size, h),
-              "lm_head": (config.vocab_size, h)}
-    want = shapes.get(kind)
-    return want if want is None or hf_name.endswith(".weight") else want[:1]
+    weights["lm_head"] = from_gguf(t.data, t.tensor_type, t.shape)
 
 
 def _any_quantized(parts: list[TensorInfo]) -> bool:
     return any(t.tensor_type not in _FLOAT_TYPES for t in parts)
 
 
-def _check_shape(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch) -> None:
-    want = _expected_shape(hf_name, config)
+def _check_shape(t: TensorInfo, config: ModelConfig, arch: GGUFArch) -> None:
+    want = expected_shape(t.name, config, arch)
     if want is not None and t.shape != want:
         raise CheckpointError(f"GGUF tensor {t.name!r} has shape {t.shape} (ne = {list(t.ne)}), but the "
-                              f"metadata implies {want}; the file's tensors and its {arch.family} metadata disagree")
+                              f"metadata implies {want}; the file's tensors and its {config.family} metadata disagree")
 
 
-def _read_float(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch,
+def _read_float(t: TensorInfo, name: str, part: int, config: ModelConfig, arch: GGUFArch,
                 dtype: torch.dtype) -> torch.Tensor:
-    """One file tensor in ``dtype``, shape-checked and un-permuted when needed."""
-    _check_shape(t, hf_name, config, arch)
+    """One file tensor in ``dtype``, un-permuted when needed."""
     out = _float(t, dtype)
-    rows = _permutation(hf_name, config, arch)
+    rows = _permutation(name, part, config, arch)
     return out if rows is None else out.index_select(0, rows)
 
 
-def _read_packed(spec: WeightSpec, parts: list[TensorInfo], config: ModelConfig,
-                 arch: GGUFArch) -> QuantizedWeight:
-    """The spec's tensors as one :class:`QuantizedWeight`: their block rows (un-permuted, stacked along N) are
-    gathered from the mapped file in one copy, then split into codes, scales and mins by ``from_gguf``."""
+def _read_packed(name: str, parts: list[TensorInfo], config: ModelConfig, arch: GGUFArch) -> QuantizedWeight:
+    """The parts as one :class:`QuantizedWeight`: their block rows (un-permuted, stacked along N) are gathered from
+    the mapped file in one copy, then split into codes, scales and mins by ``from_gguf``."""
     for t in parts:
         if t.tensor_type not in _PACKABLE and t.tensor_type not in _FLOAT_TYPES:
             raise CheckpointError(f"GGUF tensor {t.name!r} is {t.tensor_type.name}, which keep_quantized cannot hold "
@@ -345,25 +231,18 @@ def _read_packed(spec: WeightSpec, parts: list[TensorInfo], config: ModelConfig,
                                   "keep_quantized=False to dequantize it")
     types = [t.tensor_type.name for t in parts]
     if len(set(types)) != 1:
-        raise CheckpointError(f"{spec.name}: keep_quantized needs {list(spec.sources)} in one format to fuse them, "
+        raise CheckpointError(f"{name}: keep_quantized needs {[t.name for t in parts]} in one format to fuse them, "
                               f"got {types}; load with keep_quantized=False to dequantize")
-    if len(parts) == 1:
-        return _packed_rows(parts[0], spec.sources[0], config, arch)
-    rows = [_block_rows(t, hf, config, arch) for t, hf in zip(parts, spec.sources)]
-    shape = (sum(r.shape[0] for r in rows), parts[0].shape[1])
-    return from_gguf(np.concatenate(rows), parts[0].tensor_type, shape)
+    rows = [_block_rows(t, name, j, config, arch) for j, t in enumerate(parts)]
+    block_rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
+    return from_gguf(block_rows, parts[0].tensor_type, (block_rows.shape[0], parts[0].shape[1]))
 
 
-def _packed_rows(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch) -> QuantizedWeight:
-    return from_gguf(_block_rows(t, hf_name, config, arch), t.tensor_type, t.shape)
-
-
-def _block_rows(t: TensorInfo, hf_name: str, config: ModelConfig, arch: GGUFArch) -> np.ndarray:
+def _block_rows(t: TensorInfo, name: str, part: int, config: ModelConfig, arch: GGUFArch) -> np.ndarray:
     """The tensor's rows of quantized blocks (uint8 ``[N, bytes per row]``), un-permuted when needed: a view of the
     mapped file, or a copy in our order. A row is whole blocks along K, so moving rows is exact. numpy, not torch:
     these are small copies, and torch would run each as a parallel region that waits on a busy core."""
-    _check_shape(t, hf_name, config, arch)
-    rows = _permutation(hf_name, config, arch)
+    rows = _permutation(name, part, config, arch)
     return t.data if rows is None else np.take(t.data, rows.numpy(), axis=0)
 
 
@@ -380,22 +259,15 @@ def _float(t: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype)
 
 
-def _permutation(hf_name: str, config: ModelConfig, arch: GGUFArch) -> torch.Tensor | None:
-    if not arch.permuted_qk:
+def _permutation(name: str, part: int, config: ModelConfig, arch: GGUFArch) -> torch.Tensor | None:
+    """Rows that undo the converter's Q/K interleave for part ``part`` of canonical weight ``name``, or None."""
+    if not arch.permuted_qk or name.rsplit(".", 2)[-2:] not in (["qkv", "weight"], ["qkv", "bias"]):
         return None
-    if ".self_attn.q_proj." in hf_name:
+    if part == 0:
         return unpermute_rows(config.num_heads, config.head_dim)
-    if ".self_attn.k_proj." in hf_name:
+    if part == 1:
         return unpermute_rows(config.num_kv_heads, config.head_dim)
     return None
-
-
-def _assemble(spec: WeightSpec, parts: list[torch.Tensor]) -> torch.Tensor:
-    if spec.combine == "one":
-        return parts[0].contiguous()
-    if spec.combine != "cat":
-        raise CheckpointError(f"{spec.name}: combine rule {spec.combine!r} is not supported for GGUF files")
-    return torch.cat(parts, dim=0)
 
 
 def _tokenizer(meta: dict[str, Any]) -> tuple[Any, list[str]]:

@@ -1,10 +1,18 @@
 """The tokenizer a GGUF file describes, rebuilt as a ``tokenizers.Tokenizer`` from its ``tokenizer.ggml.*`` keys.
 
 A GGUF file has no ``tokenizer.json``: it stores the vocabulary, the merges, each token's type and the special token
-ids under llama.cpp's key names. For byte-level BPE vocabularies (``tokenizer.ggml.model = "gpt2"``: GPT-2,
-SmolLM, Llama 3, Qwen2, ...) this module writes the equivalent ``tokenizer.json`` document and loads it, so that
-encoding gives the ids llama.cpp and Hugging Face's GGUF loader give. Other tokenizer models (SentencePiece
-``"llama"``, ``"t5"``, ...) are not rebuilt yet; :func:`build_tokenizer` raises :class:`UnsupportedTokenizer`.
+ids under llama.cpp's key names. This module writes the equivalent ``tokenizer.json`` document and loads it, so that
+encoding gives the ids llama.cpp and Hugging Face's GGUF loader give, for
+
+* byte-level BPE (``tokenizer.ggml.model = "gpt2"``: GPT-2, SmolLM, Llama 3, Qwen2, ...): the file's merges;
+* SentencePiece BPE (``"llama"``: Llama 1/2, Mistral, Gemma, Phi-3, ...): llama.cpp merges the adjacent pair whose
+  joined text is the vocabulary entry of highest score, so the merges are every split of a vocabulary entry into
+  two entries, ranked by the entry's score (ties: earlier entry first); spaces are spelled "▁", one is prepended
+  to the input and after each control or user-defined token when ``tokenizer.ggml.add_space_prefix`` says so
+  (default: yes; Gemma files say no), and characters outside the vocabulary fall back to the ``<0xXX>`` byte
+  tokens.
+
+Other tokenizer models (``"t5"`` unigram, ``"bert"``, ``"rwkv"``, ...) raise :class:`UnsupportedTokenizer`.
 
 >>> tok = build_tokenizer(metadata)            # metadata: GGUF key -> value, see gguf.read_metadata
 >>> tok.encode("Hello world").ids
@@ -19,10 +27,12 @@ import warnings
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer
 
-#: llama.cpp's token types (``llama_token_type``); only these two are matched whole in the text
-CONTROL, USER_DEFINED = 3, 4
+#: llama.cpp's token types (``llama_token_type``); control and user-defined tokens are matched whole in the text
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 # Pre-tokenizer split patterns, keyed by ``tokenizer.ggml.pre`` (the vocabulary's training-time split; llama.cpp
 # keeps the same table). Keys not listed here use GPT-2's own pattern, which ByteLevel applies itself.
@@ -105,14 +115,18 @@ def build_tokenizer_quietly(meta: dict[str, Any]) -> tuple[Tokenizer, list[str]]
     tokenizer on another thread (``warnings`` filters are process-wide, and a warning raised there would point into
     the thread pool) and warns on its own thread."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise UnsupportedTokenizer(f"GGUF tokenizer model {kind!r} cannot be rebuilt; supported: ['gpt2'] "
-                                   "(byte-level BPE). Encode text elsewhere and pass token ids")
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+                                   "(byte-level BPE), ['llama'] (SentencePiece BPE). Encode text elsewhere and pass "
+                                   "token ids")
+    needs = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if kind == "gpt2" else (
+        "tokenizer.ggml.tokens", "tokenizer.ggml.scores")
+    for key in needs:
         if key not in meta:
-            raise UnsupportedTokenizer(f"GGUF byte-level BPE tokenizer lacks {key!r}; the file is incomplete")
+            raise UnsupportedTokenizer(f"GGUF {kind} tokenizer lacks {key!r}; the file is incomplete")
     notes: list[str] = []
-    return Tokenizer.from_str(json.dumps(tokenizer_document(meta, notes))), notes
+    document = tokenizer_document(meta, notes) if kind == "gpt2" else sentencepiece_document(meta)
+    return Tokenizer.from_str(json.dumps(document)), notes
 
 
 def tokenizer_document(meta: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
@@ -137,6 +151,70 @@ def tokenizer_document(meta: dict[str, Any], notes: list[str] | None = None) -> 
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                   "vocab": vocab, "merges": _merges(meta["tokenizer.ggml.merges"])},
     }
+
+
+def sentencepiece_document(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer.json`` document of a SentencePiece BPE vocabulary (``tokenizer.ggml.model = "llama"``)."""
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    scores = np.asarray(meta["tokenizer.ggml.scores"], dtype=np.float64)
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    if not (len(scores) == len(types) == len(tokens)):
+        raise ValueError(f"GGUF SentencePiece vocabulary: {len(tokens)} tokens, {len(scores)} scores and "
+                         f"{len(types)} token types; the file is malformed")
+    # a vocabulary entry of spaces is sometimes stored with real spaces (Gemma); the model only sees "▁"
+    spelled = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(spelled):
+        vocab.setdefault(token, index)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", next((i for i, k in enumerate(types) if k == UNKNOWN), None))
+    added = [{"id": index, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": kind == CONTROL}
+             for index, (token, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)]
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": _SPACE}, "content": " "},
+                                      {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        # llama.cpp puts a space before every stretch of text that starts the input or follows a control or
+        # user-defined token, even one that starts with a space (as SentencePiece does): a normalizer, which runs on
+        # each stretch between added tokens, not Metaspace, which adds it once and only before a non-space
+        "normalizer": {"type": "Sequence", "normalizers": [
+            *([{"type": "Prepend", "prepend": _SPACE}] if prefix else []),
+            {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}]},
+        "pre_tokenizer": None,
+        # SentencePiece vocabularies add BOS unless the file says otherwise (llama.cpp's default for them)
+        "post_processor": _post_processor({"tokenizer.ggml.add_bos_token": True, **meta}, tokens),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None if unk_id is None else tokens[int(unk_id)],
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
+                  "merges": _merges_from_scores(spelled, scores, types, vocab)},
+    }
+
+
+def _merges_from_scores(tokens: list[str], scores: np.ndarray, types: list[int],
+                        vocab: dict[str, int]) -> list[list[str]]:
+    """Every split of a normal vocabulary entry into two entries, as BPE merges ranked by the entry's score.
+
+    Ranking by the joined entry's score makes the BPE model apply, at each step, the adjacent pair llama.cpp's
+    SentencePiece tokenizer applies (the one whose joined text scores highest).
+    """
+    mergeable = {t for t, k in zip(tokens, types) if k in (NORMAL, USER_DEFINED, UNUSED)}
+    ranked: list[tuple[float, int, int, list[str]]] = []
+    for index, (token, kind) in enumerate(zip(tokens, types)):
+        if kind != NORMAL or len(token) < 2 or vocab.get(token) != index:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-float(scores[index]), index, vocab[left], [left, right]))
+    ranked.sort(key=lambda r: r[:3])
+    return [merge for *_, merge in ranked]  # pairs, not "a b" strings: an entry may hold a space
 
 
 def _merges(merges: list[str]) -> list[str]:
@@ -180,3 +258,62 @@ def _post_processor(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
         single = [mark_a, *single] if at_start else [*single, mark_a]
         pair = [mark_b, *pair] if at_start else [*pair, mark_b]
     return {"type": "TemplateProcessing", "single": single, "pair": single + pair, "special_tokens": special}
+
+
+def gguf_tokenizer_keys(document: dict[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer.ggml.*`` keys of a byte-level BPE ``tokenizer.json`` document: what a GGUF file written from a
+    Hugging Face checkpoint carries, so :func:`build_tokenizer` rebuilds the same tokenizer from it.
+
+    ``tokenizer.ggml.pre`` is the name of the known split pattern the document's pre-tokenizer uses (``smollm`` for
+    single digits before GPT-2's pattern, ``default`` for GPT-2's own); :class:`UnsupportedTokenizer` for other
+    tokenizer models or a pre-tokenizer this module has no name for.
+    """
+    model = document.get("model") or {}
+    if model.get("type") != "BPE" or _pre_name(document.get("pre_tokenizer")) is None:
+        raise UnsupportedTokenizer(f"only byte-level BPE tokenizer.json files with a known split pattern can be "
+                                   f"written to GGUF (model {model.get('type')!r}); the file is written without one")
+    vocab: dict[str, int] = dict(model["vocab"])
+    kinds = {}
+    for added in document.get("added_tokens") or ():
+        vocab[added["content"]] = added["id"]
+        kinds[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+    size = max(vocab.values()) + 1
+    tokens = [""] * size
+    for token, index in vocab.items():
+        tokens[index] = token
+    missing = [i for i, t in enumerate(tokens) if not t]
+    if missing:
+        raise UnsupportedTokenizer(f"tokenizer.json has no token for ids {missing[:5]}; GGUF needs every id below "
+                                   f"{size}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or ()]
+    keys: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": _pre_name(document.get("pre_tokenizer")),
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [kinds.get(i, NORMAL) for i in range(size)],
+        "tokenizer.ggml.merges": merges,
+    }
+    post = document.get("post_processor") or {}
+    single = post.get("single") or []
+    for at, flag, key in ((0, "add_bos_token", "bos_token_id"), (-1, "add_eos_token", "eos_token_id")):
+        mark = single[at].get("SpecialToken") if single else None
+        if mark is not None and mark.get("id") in vocab:  # the template adds this token: say so, and which it is
+            keys[f"tokenizer.ggml.{flag}"] = True
+            keys[f"tokenizer.ggml.{key}"] = vocab[mark["id"]]
+    return keys
+
+
+def _pre_name(pre: dict[str, Any] | None) -> str | None:
+    """Our name of a byte-level pre-tokenizer (the inverse of :func:`_pre_tokenizer`), or None."""
+    if not pre:
+        return None
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "default"
+    steps = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else []
+    kinds = [p.get("type") for p in steps]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits"):
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"]:
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        return next((name for name, split in _SPLITS.items() if split == pattern), None)
+    return None

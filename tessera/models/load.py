@@ -24,9 +24,10 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     path : a ``.gguf`` file, a directory with ``config.json`` + safetensors, or None for SmolLM2-135M-Instruct.
     dtype : "float32", "bfloat16" or "float16" (the weights' and activations' dtype; logits are float32).
     backend : kernel/attention backend for every op ("auto", "cpu", "reference", "triton").
-    keep_quantized : GGUF only. None (default): Q4_0 / Q4_1 / Q8_0 projections stay packed (``QuantizedWeight``,
-        exact), as llama.cpp runs the file, and other types are dequantized; True: every quantized projection must
-        stay packed; False: all are dequantized to ``dtype`` (what transformers computes with).
+    keep_quantized : GGUF only. None (default): Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K projections
+        stay packed (``QuantizedWeight``, exact), as llama.cpp runs the file, and other types are dequantized;
+        True: every quantized projection must stay packed; False: all are dequantized to ``dtype`` (what
+        transformers computes with).
     device : where the weights go: None for the backend's default device (``"cpu"`` for ``"auto"``, ``"cuda"`` for
         ``"triton"`` on a GPU), or one it runs on (``"cuda:1"``). The file is read on the host, then copied.
     timings : a dict to fill with the seconds each step took: ``header`` (GGUF metadata and tensor index, or

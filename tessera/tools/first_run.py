@@ -37,7 +37,9 @@ def model_kind(model: Any) -> str:
     packed weight. Two models of one kind share every kernel specialization the warm-up compiles."""
     from tessera.kernels.quant import QuantizedWeight
 
-    packed = sorted({f"{w.fmt}/{w.scales.dtype}" for w in model.weights.values() if isinstance(w, QuantizedWeight)})
+    # ggml block formats (Q5_0 ... Q6_K) keep their scales inside the blocks: scales is None
+    packed = sorted({f"{w.fmt}/{None if w.scales is None else w.scales.dtype}" for w in model.weights.values()
+                     if isinstance(w, QuantizedWeight)})
     config = model.config
     features = (config.family, str(model.dtype), config.norm, config.activation, str(config.qk_norm),
                 str(config.post_norms), *packed)

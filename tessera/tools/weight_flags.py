@@ -11,7 +11,8 @@ def add_weight_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--keep-quantized", action="store_true",
                        help="GGUF: every quantized projection must stay packed (an error for types that cannot); "
-                            "by default Q4_0/Q4_1/Q8_0 stay packed and other types are de-quantized")
+                            "by default Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K stay packed and other types "
+                            "are de-quantized")
     group.add_argument("--dequantize", action="store_true",
                        help="GGUF: de-quantize every weight to --dtype (transformers' numerics, slower decode)")
 

@@ -276,13 +276,13 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = write_tiny(tmp_path / "m.gguf", "mamba")
-    with pytest.raises(CheckpointError, match=r"'mamba' is not supported; supported: \['llama', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(CheckpointError, match=r"'mamba' is not supported; supported: \['gemma', 'gemma2', 'gemma3', 'llama', 'phi3', "):
         load_gguf(path)
 
 
-def test_mixture_of_experts_rejected(tmp_path):
-    path = write_tiny(tmp_path / "moe.gguf", extra={"llama.expert_count": 8})
-    with pytest.raises(CheckpointError, match="mixture-of-experts GGUF files"):
+def test_experts_in_an_architecture_without_a_moe_family(tmp_path):
+    path = write_tiny(tmp_path / "moe.gguf", "qwen2", qkv_bias=True, extra={"qwen2.expert_count": 8})
+    with pytest.raises(CheckpointError, match="qwen2 files with qwen2.expert_count = 8 are not supported"):
         load_gguf(path)
 
 
@@ -362,5 +362,7 @@ def test_unknown_pre_tokenizer_warns():
 
 
 def test_unsupported_tokenizer_model():
-    with pytest.raises(UnsupportedTokenizer, match=r"model 'llama' cannot be rebuilt; supported: \['gpt2'\]"):
+    with pytest.raises(UnsupportedTokenizer, match=r"model 't5' cannot be rebuilt; supported: \['gpt2'\]"):
+        build_tokenizer(tiny_vocab(model="t5"))
+    with pytest.raises(UnsupportedTokenizer, match="llama tokenizer lacks 'tokenizer.ggml.scores'"):
         build_tokenizer(tiny_vocab(model="llama"))

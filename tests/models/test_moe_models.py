@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE bring-up: tiny random checkpoints written by transformers, loaded by Tessera, logits compared.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE bring-up: tiny random checkpoints written by transformers, loaded by Tessera, logits compared.
 
 float32: max|ours - ref| / max|ref| <= 1e-4 against transformers in float32. bfloat16: our error against that float32
 reference is at most twice transformers' own bfloat16 error, and top-1 agrees with transformers in bfloat16 on >= 99% of
@@ -103,6 +103,15 @@ def qwen2_moe_mixed(tmp_path_factory):
     return _save(tmp_path_factory, "qwen2_moe_mixed", transformers.Qwen2MoeForCausalLM, config)
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    # q/k norms, renormalized top-k routing, no shared expert; decoder_sparse_step=2 makes layer 0 dense
+    config = transformers.Qwen3MoeConfig(**ATTN, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True, decoder_sparse_step=2)
+    return _save(tmp_path_factory, "qwen3_moe", transformers.Qwen3MoeForCausalLM, config)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mixtral_matches_transformers(mixtral, dtype):
     _compare(*mixtral, dtype)
@@ -125,6 +134,13 @@ def test_qwen2_moe_dense_layers_match_transformers(qwen2_moe_mixed, dtype):
     config = load_model(qwen2_moe_mixed[0]).config
     assert config.dense_layers == (0, 2, 3) and config.moe_renormalize
     _compare(*qwen2_moe_mixed, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_moe_matches_transformers(qwen3_moe, dtype):
+    config = load_model(qwen3_moe[0]).config
+    assert (config.dense_layers, config.moe_renormalize, config.qk_norm) == ((0,), True, True)
+    _compare(*qwen3_moe, dtype)
 
 
 def test_qwen2_moe_shared_gate_is_a_vector(qwen2_moe):

@@ -154,3 +154,23 @@ def test_generate_after_the_warm_up_runs_the_compiled_kernels_at_once(first_gene
 def test_wait_for_kernels_keeps_the_compile_in_the_foreground(first_generate, capsys):
     assert first_generate.run(["Hello", "--max-tokens", "2", "--wait-for-kernels"]) == 0
     assert "reference backend" not in capsys.readouterr().err and not first_generate.started
+
+
+def test_model_kind_of_ggml_block_formats():
+    """K-quant and Q5 weights hold their scales inside the blocks (``scales is None``): the kind still names them."""
+    import numpy as np
+
+    from tessera.kernels.ggml_quantize import quantize_rows
+    from tessera.kernels.quant import from_gguf
+    from tessera.tools.first_run import model_kind
+
+    class Fake:
+        config = type("C", (), dict(family="llama", norm="rms", activation="silu", qk_norm=False,
+                                     post_norms=False))()
+        dtype = "torch.float32"
+
+    w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    a, b = Fake(), Fake()
+    a.weights = {"x": from_gguf(quantize_rows(w, "q4_k"), "Q4_K", (4, 256))}
+    b.weights = {"x": from_gguf(quantize_rows(w, "q6_k"), "Q6_K", (4, 256))}
+    assert model_kind(a) != model_kind(b)

@@ -18,7 +18,7 @@ from tessera.models.families.common import (
 )
 
 
-def _dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+def dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
     step = hf.get("decoder_sparse_step", 1)
     if step < 1:
         raise ValueError(f"Qwen2-MoE config: decoder_sparse_step must be >= 1, got {step}")
@@ -26,7 +26,7 @@ def _dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step)
 
 
-def _windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
+def sliding_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     layers = hf["num_hidden_layers"]
     if not hf.get("use_sliding_window"):
         return (None,) * layers
@@ -41,12 +41,12 @@ def _config(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise NotImplementedError(f"Qwen2-MoE hidden_act {hf['hidden_act']!r} is not supported: the MoE kernel "
                                   "runs SwiGLU experts only")
-    return base_config(hf, "qwen2_moe", qkv_bias=bool(hf.get("qkv_bias", True)), layer_windows=_windows(hf),
+    return base_config(hf, "qwen2_moe", qkv_bias=bool(hf.get("qkv_bias", True)), layer_windows=sliding_windows(hf),
                        num_experts=hf["num_experts"], experts_per_token=hf["num_experts_per_tok"],
                        moe_intermediate_size=hf["moe_intermediate_size"], moe_routing="softmax_topk",
                        moe_renormalize=bool(hf.get("norm_topk_prob", False)),
                        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
-                       dense_layers=_dense_layers(hf))
+                       dense_layers=dense_layers(hf))
 
 
 def _moe_specs(config: ModelConfig, i: int) -> list[WeightSpec]:
