@@ -8,6 +8,7 @@ table (tied weights), with Gemma 2's optional final-logit softcap. ``docs/kernel
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -17,20 +18,25 @@ from tessera.kernels import registry
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def embed(ids: torch.Tensor, table: torch.Tensor, *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+def embed(ids: torch.Tensor, table: Any, *, scale: float | None = None, dtype: torch.dtype | None = None,
+          backend: str = "auto") -> torch.Tensor:
     """Embedding lookup ``out[...] = table[ids[...]] * scale`` (scale applied in float32, rounded once).
 
     Parameters
     ----------
     ids : torch.Tensor ``[...]``, int64 / int32 / int16 / uint8, every id in ``[0, V)``
-    table : torch.Tensor ``[V, H]``, float32 / bfloat16 / float16, same device as ids
+    table : torch.Tensor ``[V, H]``, float32 / bfloat16 / float16, same device as ids; or a packed
+        :class:`tessera.kernels.quant.QuantizedWeight` ``[V, H]`` (a GGUF file's quantized token table, kept as
+        llama.cpp keeps it): only the looked-up rows are de-quantized, to ``dtype``
     scale : float, optional. Gemma: ``gemma_embed_scale(H, table.dtype)`` (``sqrt(H)`` rounded to the table dtype,
         as Hugging Face's ``torch.tensor(H ** 0.5, dtype=dtype)``).
+    dtype : torch.dtype, optional. The output dtype of a packed table (default float32); a float table's own dtype
+        otherwise (passing another raises).
     backend : "auto", "reference", "cpu" or "triton"
 
     Returns
     -------
-    ``[..., H]`` in the table's dtype.
+    ``[..., H]`` in the table's dtype (``dtype`` for a packed table).
 
     Raises
     ------
@@ -41,7 +47,13 @@ def embed(ids: torch.Tensor, table: torch.Tensor, *, scale: float | None = None,
     >>> h = embed(torch.tensor([[1, 2, 3]]), wte)                                  # [1, 3, H]
     >>> h = embed(ids, emb, scale=gemma_embed_scale(emb.shape[1], emb.dtype))     # Gemma
     """
-    _check_table("embed", table)
+    from tessera.kernels.quant import QuantizedWeight
+
+    packed = isinstance(table, QuantizedWeight)
+    if not packed:
+        _check_table("embed", table)
+        if dtype is not None and dtype != table.dtype:
+            raise TypeError(f"embed: dtype {dtype} differs from the float table's {table.dtype}; cast the table")
     if not isinstance(ids, torch.Tensor) or ids.dtype not in ID_DTYPES:
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise TypeError(f"embed: ids must be an integer tensor (int64, int32, int16 or uint8), got {got}")
@@ -50,7 +62,23 @@ def embed(ids: torch.Tensor, table: torch.Tensor, *, scale: float | None = None,
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"embed: scale must be a finite float or None, got {scale}")
     _check_ids_in_range(ids, table.shape[0])
+    if packed:
+        return _embed_packed(ids, table, scale, dtype or torch.float32, backend)
     return registry.resolve("embed", backend, table.device)(ids, table, None if scale is None else float(scale))
+
+
+def _embed_packed(ids: torch.Tensor, table: Any, scale: float | None, dtype: torch.dtype,
+                  backend: str) -> torch.Tensor:
+    """The rows of a packed table, de-quantized and rounded to ``dtype`` (the value a float table loaded in that
+    dtype holds), then scaled in float32 and rounded once, as the float path does."""
+    from tessera.kernels.quant import dequantize
+
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"embed: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    rows = dequantize(table.rows(ids.reshape(-1).to(torch.int64)), backend=backend).to(dtype)
+    if scale is not None:
+        rows = (rows.float() * float(scale)).to(dtype)
+    return rows.reshape(*ids.shape, table.shape[1])
 
 
 def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None = None,

@@ -121,11 +121,55 @@ class QuantizedWeight:
         return dataclasses.replace(self, data=move(self.data), scales=move(self.scales), zeros=move(self.zeros),
                                    mins=move(self.mins))
 
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight of rows ``index`` (int64 ``[R]``, on its device), still packed: what an embedding lookup in a
+        packed table de-quantizes."""
+        pick = (lambda t: None if t is None else t.index_select(0, index))  # noqa: E731
+        return dataclasses.replace(self, shape=(int(index.numel()), self.shape[1]), data=pick(self.data),
+                                   scales=pick(self.scales), zeros=pick(self.zeros), mins=pick(self.mins))
+
     @property
     def nbytes(self) -> int:
         """Bytes a matmul reads: packed data, scales, and zeros or mins."""
         parts = (self.data, self.scales, self.zeros, self.mins)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class StackedWeight:
+    """One weight ``[N, K]`` held as row blocks in different packed formats, ``w = cat(parts, dim=0)``: a GGUF file's
+    q|k|v whose v is Q6_K while q and k are Q4_K (llama.cpp's Q4_K_M mix) stays packed this way instead of being
+    de-quantized. ``y = x @ w.T`` runs one :func:`qmatmul` per part (:func:`tessera.models.layers.linear`).
+
+    Attributes
+    ----------
+    parts : tuple of QuantizedWeight
+        ``[N_i, K]`` each, one K, on one device; ``N = sum(N_i)``.
+    """
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or not all(isinstance(p, QuantizedWeight) for p in self.parts):
+            raise ValueError("StackedWeight: parts must be two or more QuantizedWeight")
+        if len({p.shape[1] for p in self.parts}) != 1 or len({p.device for p in self.parts}) != 1:
+            raise ValueError(f"StackedWeight: parts must share K and a device, got shapes "
+                             f"{[p.shape for p in self.parts]}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def to(self, device: str | torch.device) -> StackedWeight:
+        return StackedWeight(tuple(p.to(device) for p in self.parts))
 
 
 def _check_part(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...],
@@ -188,8 +232,10 @@ def quantize(w: torch.Tensor, fmt: str, group_size: int | None = None, *, backen
     return fn(w, fmt, group_size)
 
 
-def dequantize(qw: QuantizedWeight, *, backend: str = "auto") -> torch.Tensor:
-    """The float weight a :class:`QuantizedWeight` stands for: float32 ``[N, K]``."""
+def dequantize(qw: QuantizedWeight | StackedWeight, *, backend: str = "auto") -> torch.Tensor:
+    """The float weight a :class:`QuantizedWeight` (or :class:`StackedWeight`) stands for: float32 ``[N, K]``."""
+    if isinstance(qw, StackedWeight):
+        return torch.cat([dequantize(p, backend=backend) for p in qw.parts])
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"qw must be a QuantizedWeight (from quantize or from_gguf), got {type(qw).__name__}")
     return registry.resolve("dequantize", backend, qw.device)(qw)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.kernels.quant import QuantizedWeight, from_gguf
+from tessera.kernels.quant import QuantizedWeight, StackedWeight, from_gguf
 from tessera.models.config import ModelConfig
 from tessera.models.families.common import Family
 from tessera.models.ggml_types import GGMLType
@@ -52,9 +52,9 @@ _PACKABLE = (_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q5_0, _T.Q5_1, _T.Q4_K, _T.Q5_K, _T.Q
 _STORED_AS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
 
 
-# The embedding table and 1-D tensors stay float: lookups and norms read floats. A packable output table also goes to
-# the lm_head packed (see _add_packed_output). Only the dense projections below may stay packed: the MoE kernel,
-# the router and the shared expert read floats.
+# 1-D tensors stay float. The token table stays packed when its type can (lookups de-quantize only their rows, as
+# llama.cpp's get_rows does) and is then the tied lm_head too (see _add_packed_output). Of the layer weights only the
+# dense projections below may stay packed: the MoE kernel, the router and the shared expert read floats.
 _PACKED_LAYER_WEIGHTS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
 
 
@@ -75,11 +75,10 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
         (exact for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K; float-typed projections stay float). None
         (the default, as llama.cpp runs a file): every projection whose type can stay packed does, the others are
         dequantized. True: every quantized projection must stay packed, any other type raises. False: all are
-        dequantized to ``torch_dtype`` (the weights transformers computes with). The embedding table, norms,
-        experts, router and shared expert are always dequantized; unless False, an output table (the embedding,
-        when tied) in one of those types is also kept packed for the lm_head. Parts fused into one weight (q|k|v,
-        gate|up) stay packed only when they share a type: a Q4_K_M file's q|k|v in the layers whose v is Q6_K is
-        de-quantized.
+        dequantized to ``torch_dtype`` (the weights transformers computes with). Norms, experts, router and shared
+        expert are always dequantized; unless False, the token table and an output table in one of those types stay
+        packed (a tied model's lm_head is the packed token table). Parts fused into one weight (q|k|v, gate|up) in
+        different types (a Q4_K_M file's Q4_K q and k with a Q6_K v) stay packed as a ``StackedWeight``.
     timings : dict, optional
         Filled with the seconds each step took: ``header`` (metadata and tensor index), ``weights`` and
         ``tokenizer`` (these two run at the same time).
@@ -171,11 +170,10 @@ def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Fa
         for t in parts:
             _check_shape(t, config, arch)
         packed = keep_quantized is not False and _may_pack(spec.name)
-        if spec.name == "lm_head" and keep_quantized is not False:
-            packed = parts[0].tensor_type in _PACKABLE  # an untied output table may stay packed
-        if packed and keep_quantized is None:  # auto: pack only what can stay packed, parts fused in one format
-            types = {t.tensor_type for t in parts}
-            packed = len(types) == 1 and types <= set(_PACKABLE)
+        if spec.name in ("lm_head", "embed") and keep_quantized is not False:
+            packed = parts[0].tensor_type in _PACKABLE  # the tables stay packed whenever their type can
+        if packed and keep_quantized is None:  # auto: pack only what can stay packed (parts may differ in type)
+            packed = {t.tensor_type for t in parts} <= set(_PACKABLE)
         if packed and _any_quantized(parts):
             weights[spec.name] = _read_packed(spec.name, parts, config, arch)
         else:
@@ -188,18 +186,16 @@ def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Fa
 
 
 def _may_pack(name: str) -> bool:
-    return name == "lm_head" or (name.startswith("layers.") and name.split(".", 2)[2] in _PACKED_LAYER_WEIGHTS)
+    return name in ("lm_head", "embed") or (name.startswith("layers.") and name.split(".", 2)[2] in _PACKED_LAYER_WEIGHTS)
 
 
 def _add_packed_output(tensors: dict[str, TensorInfo], config: ModelConfig, arch: GGUFArch,
                        weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
-    """A tied output table (the embedding) in a packable type also goes to the lm_head packed, as llama.cpp runs it:
-    the logits GEMV then reads the file's bytes (SmolLM2's Q8_0 table: 30 MB) instead of the de-quantized float table
-    (113 MB in fp32), the largest read of a small model's decode step. The float table stays for token lookups."""
-    t = tensors.get("token_embd.weight")
-    if t is None or t.tensor_type not in _PACKABLE:
-        return
-    weights["lm_head"] = from_gguf(t.data, t.tensor_type, t.shape)
+    """A tied output table (the embedding) in a packable type is the lm_head too, packed, as llama.cpp runs it: the
+    logits GEMV then reads the file's bytes (SmolLM2's Q8_0 table: 30 MB) instead of a de-quantized float table
+    (113 MB in fp32), the largest read of a small model's decode step; the lookups read the same packed table."""
+    if isinstance(weights.get("embed"), QuantizedWeight):
+        weights["lm_head"] = weights["embed"]
 
 
 def _any_quantized(parts: list[TensorInfo]) -> bool:
@@ -221,21 +217,34 @@ def _read_float(t: TensorInfo, name: str, part: int, config: ModelConfig, arch: 
     return out if rows is None else out.index_select(0, rows)
 
 
-def _read_packed(name: str, parts: list[TensorInfo], config: ModelConfig, arch: GGUFArch) -> QuantizedWeight:
+def _read_packed(name: str, parts: list[TensorInfo], config: ModelConfig,
+                 arch: GGUFArch) -> QuantizedWeight | StackedWeight:
     """The parts as one :class:`QuantizedWeight`: their block rows (un-permuted, stacked along N) are gathered from
-    the mapped file in one copy, then split into codes, scales and mins by ``from_gguf``."""
+    the mapped file in one copy, then split into codes, scales and mins by ``from_gguf``. Parts in different types
+    (a Q4_K_M file's Q4_K q and k with a Q6_K v) become a :class:`StackedWeight` of one packed weight per run of
+    parts sharing a type, so nothing is de-quantized."""
     for t in parts:
         if t.tensor_type not in _PACKABLE and t.tensor_type not in _FLOAT_TYPES:
             raise CheckpointError(f"GGUF tensor {t.name!r} is {t.tensor_type.name}, which keep_quantized cannot hold "
                                   f"exactly (supported: {[q.name for q in _PACKABLE]}); load with "
                                   "keep_quantized=False to dequantize it")
-    types = [t.tensor_type.name for t in parts]
-    if len(set(types)) != 1:
-        raise CheckpointError(f"{name}: keep_quantized needs {[t.name for t in parts]} in one format to fuse them, "
-                              f"got {types}; load with keep_quantized=False to dequantize")
+    types = [t.tensor_type for t in parts]
+    if any(t in _FLOAT_TYPES for t in types):
+        raise CheckpointError(f"{name}: keep_quantized cannot fuse float and packed parts "
+                              f"({[f'{t.name} {q.name}' for t, q in zip(parts, types)]}); load with "
+                              "keep_quantized=False to dequantize")
     rows = [_block_rows(t, name, j, config, arch) for j, t in enumerate(parts)]
-    block_rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
-    return from_gguf(block_rows, parts[0].tensor_type, (block_rows.shape[0], parts[0].shape[1]))
+    runs: list[tuple[GGMLType, list[np.ndarray]]] = []
+    for qtype, block_rows in zip(types, rows):
+        if runs and runs[-1][0] == qtype:
+            runs[-1][1].append(block_rows)
+        else:
+            runs.append((qtype, [block_rows]))
+    packed = []
+    for qtype, pieces in runs:
+        block_rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        packed.append(from_gguf(block_rows, qtype, (block_rows.shape[0], parts[0].shape[1])))
+    return packed[0] if len(packed) == 1 else StackedWeight(tuple(packed))
 
 
 def _block_rows(t: TensorInfo, name: str, part: int, config: ModelConfig, arch: GGUFArch) -> np.ndarray:

@@ -17,15 +17,19 @@ import torch
 
 from tessera import kernels as K
 from tessera.attention import AttentionSpec, attention, causal, sliding_window, softcap
-from tessera.kernels.quant import QuantizedWeight
+from tessera.kernels.quant import QuantizedWeight, StackedWeight
 from tessera.models.config import ModelConfig
 
 Weights = dict[str, "torch.Tensor | QuantizedWeight"]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | StackedWeight, bias: torch.Tensor | None = None,
            backend: str = "auto") -> torch.Tensor:
-    """``x @ w.T (+ bias)`` for x ``[T, K]`` and w ``[N, K]`` (float or quantized), fp32 accumulation."""
+    """``x @ w.T (+ bias)`` for x ``[T, K]`` and w ``[N, K]`` (float, quantized, or row blocks in several packed
+    formats), fp32 accumulation."""
+    if isinstance(w, StackedWeight):
+        out = torch.cat([K.qmatmul(x, p, backend=backend) for p in w.parts], dim=-1)
+        return out if bias is None else out + bias
     out = K.qmatmul(x, w, backend=backend) if isinstance(w, QuantizedWeight) else K.matmul(x, w, backend=backend)
     return out if bias is None else out + bias
 
@@ -152,12 +156,18 @@ def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, bac
     return K.lm_head(h, head, softcap=config.final_softcap, backend=backend).view(batch, seq, -1)
 
 
+def weights_dtype(w: Weights) -> torch.dtype:
+    """The model's float dtype: the token table's, or the final norm's when the table is packed."""
+    embed = w["embed"]
+    return embed.dtype if isinstance(embed, torch.Tensor) else w["final_norm.weight"].dtype
+
+
 def decoder(config: ModelConfig, w: Weights, ids: torch.Tensor, positions: torch.Tensor, ropes: dict, attend,
             backend: str, hidden_states: list | None = None) -> torch.Tensor:
     """All layers for tokens ``ids [T]`` at ``positions [T]``; returns the final-normed hidden states ``[T, H]``."""
-    dtype = w["embed"].dtype
+    dtype = weights_dtype(w)
     scale = K.gemma_embed_scale(config.hidden_size, dtype) if config.embed_scale else None
-    x = K.embed(ids, w["embed"], scale=scale, backend=backend)
+    x = K.embed(ids, w["embed"], scale=scale, dtype=dtype, backend=backend)
     if config.learned_positions:
         x = x + w["pos_embed"][positions]
     if hidden_states is not None:

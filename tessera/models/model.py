@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tessera.models.config import ModelConfig
-from tessera.models.layers import Weights, forward_logits
+from tessera.models.layers import Weights, forward_logits, weights_dtype
 
 
 @dataclass
@@ -26,12 +26,13 @@ class Model:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.weights["embed"].dtype
+        """The float weights' and activations' dtype (the token table may be packed)."""
+        return weights_dtype(self.weights)
 
     @property
     def device(self) -> torch.device:
         """Where the weights live; the KV cache and every tensor a step allocates follow it."""
-        return self.weights["embed"].device
+        return self.weights["final_norm.weight"].device
 
     @torch.no_grad()  # not inference_mode: kernels write outputs from worker threads
     def logits(self, token_ids: torch.Tensor, hidden_states: list | None = None) -> torch.Tensor:

@@ -83,7 +83,7 @@ def fused_decode_op(model: Model) -> Callable | None:
     The op takes ``(model, cache, step, positions, ropes, plan_for)`` and returns the final-normed hidden states
     ``[T, H]``, or None for a step it declines; :func:`forward_step` then runs the per-op path.
     """
-    return registry.resolve_optional("fused_decode_layers", model.backend, model.weights["embed"].device)
+    return registry.resolve_optional("fused_decode_layers", model.backend, model.device)
 
 
 def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False,

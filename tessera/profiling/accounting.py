@@ -105,9 +105,11 @@ def _lm_head_cost(hidden: torch.Tensor, table: torch.Tensor, *args: Any, **kwarg
     return roofline.matmul_cost(rows, vocab, width, per_weight, hidden.element_size(), out_bytes_per_elem=4)
 
 
-def _embed_cost(ids: torch.Tensor, table: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+def _embed_cost(ids: torch.Tensor, table: Any, *args: Any, **kwargs: Any) -> roofline.Cost:
     elems = ids.numel() * table.shape[1]
-    return roofline.elementwise_cost(elems, elems, table.element_size(), flops_per_elem=0.0)
+    # a packed table (QuantizedWeight) is read at its bytes per value
+    size = table.element_size() if isinstance(table, torch.Tensor) else table.nbytes / (table.shape[0] * table.shape[1])
+    return roofline.elementwise_cost(elems, elems, size, flops_per_elem=0.0)
 
 
 def _rms_norm_cost(x: torch.Tensor, weight: torch.Tensor, *args: Any, residual: Any = None,

@@ -35,10 +35,11 @@ LOG_NAME = "warmup.log"
 def model_kind(model: Any) -> str:
     """What decides which kernels a model compiles: its family, float dtype, and the (format, scale dtype) of every
     packed weight. Two models of one kind share every kernel specialization the warm-up compiles."""
-    from tessera.kernels.quant import QuantizedWeight
+    from tessera.kernels.quant import QuantizedWeight, StackedWeight
 
+    held = [p for w in model.weights.values() for p in (w.parts if isinstance(w, StackedWeight) else (w,))]
     # ggml block formats (Q5_0 ... Q6_K) keep their scales inside the blocks: scales is None
-    packed = sorted({f"{w.fmt}/{None if w.scales is None else w.scales.dtype}" for w in model.weights.values()
+    packed = sorted({f"{w.fmt}/{None if w.scales is None else w.scales.dtype}" for w in held
                      if isinstance(w, QuantizedWeight)})
     config = model.config
     features = (config.family, str(model.dtype), config.norm, config.activation, str(config.qk_norm),

@@ -116,3 +116,43 @@ def test_errors_name_the_problem():
         lm_head(torch.randn(2, 8), table, softcap=0.0)
     with pytest.raises(TypeError, match="hidden must be a float32"):
         lm_head(torch.ones(2, 8, dtype=torch.int64), table)
+
+
+def _packed_tables(gen: torch.Generator, vocab: int, width: int):
+    """The same random table packed in a 32-value format and a K-quant (width a multiple of 256)."""
+    import numpy as np
+
+    from tessera.kernels.ggml_quantize import quantize_rows
+    from tessera.kernels.quant import from_gguf, quantize
+
+    w = torch.randn(vocab, width, generator=gen)
+    return {"int8": quantize(w, "int8", group_size=32),
+            "q4_k": from_gguf(quantize_rows(w.numpy().astype(np.float32), "q4_k"), "Q4_K", (vocab, width))}
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ids_shape", [(0,), (1,), (3, 5)], ids=str)
+def test_embed_packed_table_reads_the_dequantized_rows(backend, dtype, ids_shape, gen):
+    """A packed table (a GGUF file's quantized token table): the rows de-quantized and rounded to ``dtype``, exactly
+    what a float table loaded de-quantized in that dtype gives; scaled within the dtype's tolerance of float64."""
+    from tessera.kernels.quant import dequantize
+
+    for fmt, packed in _packed_tables(gen, 37, 512).items():
+        dense = dequantize(packed, backend="reference").to(dtype)
+        ids = torch.randint(0, 37, ids_shape, generator=gen)
+        out = embed(ids, packed, dtype=dtype, backend=backend)
+        assert out.dtype == dtype and out.shape == (*ids_shape, 512)
+        assert torch.equal(out, embed(ids, dense, backend="reference")), fmt
+        scaled = embed(ids, packed, scale=1.7, dtype=dtype, backend=backend)
+        assert_close_to_oracle(scaled, embed_f64(ids, dense, 1.7), dtype, f"scaled packed embed {fmt}")
+
+
+def test_embed_packed_errors(gen):
+    packed = _packed_tables(gen, 11, 256)["int8"]
+    with pytest.raises(IndexError):
+        embed(torch.tensor([11]), packed)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        embed(torch.tensor([1]), packed, dtype=torch.int32)
+    with pytest.raises(TypeError, match="differs from the float table"):
+        embed(torch.tensor([1]), torch.zeros(3, 4), dtype=torch.float16)

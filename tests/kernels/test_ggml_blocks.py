@@ -80,13 +80,16 @@ def test_bad_input_is_named() -> None:
         Q.quantize(torch.randn(4, 256), "q4_k")
 
 
-def test_a_gguf_file_keeps_its_block_format_projections_packed(tmp_path) -> None:
-    """A tiny Llama whose projections are Q4_K (q, k, o, gate, up), Q6_K (v of layer 1: its q|k|v mixes types, so
-    it is de-quantized, as a Q4_K_M file's are) and Q5_1 / Q5_0 (down, whose K = 64 is below a K-quant block) loads
-    with every single-type projection packed, each equal to its de-quantized twin, and the same logits."""
-    from tessera.kernels.quant import QuantizedWeight
+def test_a_gguf_file_keeps_its_block_format_projections_packed(tmp_path, monkeypatch) -> None:
+    """A tiny Llama whose projections are Q4_K (q, k, o, gate, up), Q6_K (v of layer 1: its q|k|v mixes types, as a
+    Q4_K_M file's do, and stays packed as a StackedWeight of a Q4_K q|k and a Q6_K v) and Q5_1 / Q5_0 (down, whose
+    K = 64 is below a K-quant block) loads with every projection and the Q8_0 token table packed, each equal to its
+    de-quantized twin, and the same logits."""
+    from tessera.kernels.quant import QuantizedWeight, StackedWeight
     from tessera.models.gguf import load_gguf
     from tests.models.test_gguf import TINY, write_tiny
+
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=portable")  # the Q8_0 lm_head with float activations
 
     h, f, d = TINY["hidden"], TINY["ffn"], TINY["head_dim"]
     shapes = {"attn_q": (TINY["heads"] * d, h), "attn_k": (TINY["kv_heads"] * d, h), "attn_v": (TINY["kv_heads"] * d, h),
@@ -102,15 +105,23 @@ def test_a_gguf_file_keeps_its_block_format_projections_packed(tmp_path) -> None
             rows = random_rows(fmt, n, k, seed=10 * layer + i)
             tid = gguf.GGMLQuantizationType(G.BLOCKS[fmt][0])
             raw[f"blk.{layer}.{name}.weight"] = (rows, tid)
+    embed = np.random.default_rng(7).standard_normal((TINY["vocab"], h)).astype(np.float32)
+    raw["token_embd.weight"] = (gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0),
+                                gguf.GGMLQuantizationType.Q8_0)
     path = write_tiny(tmp_path / "k.gguf", raw=raw)
     with pytest.warns(UserWarning, match="no tokenizer"):
         dense, packed = load_gguf(path, keep_quantized=False), load_gguf(path)
-    kinds = {name: w.fmt for name, w in packed.weights.items() if isinstance(w, QuantizedWeight)}
-    assert kinds == {"layers.0.qkv.weight": "q4_k", "layers.0.o.weight": "q4_k", "layers.0.gate_up.weight": "q4_k",
-                     "layers.0.down.weight": "q5_0", "layers.1.o.weight": "q4_k",
-                     "layers.1.gate_up.weight": "q4_k", "layers.1.down.weight": "q5_1"}, kinds
+    kinds = {name: w.fmt if isinstance(w, QuantizedWeight) else tuple(p.fmt for p in w.parts)
+             for name, w in packed.weights.items() if isinstance(w, (QuantizedWeight, StackedWeight))}
+    assert kinds == {"embed": "int8", "lm_head": "int8",
+                     "layers.0.qkv.weight": "q4_k", "layers.0.o.weight": "q4_k", "layers.0.gate_up.weight": "q4_k",
+                     "layers.0.down.weight": "q5_0", "layers.1.qkv.weight": ("q4_k", "q6_k"),
+                     "layers.1.o.weight": "q4_k", "layers.1.gate_up.weight": "q4_k", "layers.1.down.weight": "q5_1"}, kinds
+    assert packed.weights["layers.1.qkv.weight"].shape == dense.weights["layers.1.qkv.weight"].shape
     for name, w in packed.weights.items():
-        got = Q.dequantize(w) if isinstance(w, QuantizedWeight) else w
+        if name == "lm_head":
+            continue  # the tied table: "embed" is the same object, and the dense model has no lm_head
+        got = Q.dequantize(w) if isinstance(w, (QuantizedWeight, StackedWeight)) else w
         torch.testing.assert_close(got, dense.weights[name], rtol=1e-6, atol=1e-6 * float(got.abs().max()),
                                    msg=name)
     ids = torch.randint(0, TINY["vocab"], (1, 9), generator=torch.Generator().manual_seed(1))

@@ -18,7 +18,7 @@ from tessera.bench import peers
 from tessera.bench.e2e_workloads import Prompts, hf_generate, hf_prefill, load_hf, tessera_decode, tessera_prefill
 from tessera.bench.harness import Case
 from tessera.engine import LLM
-from tessera.kernels.quant import QuantizedWeight
+from tessera.kernels.quant import QuantizedWeight, StackedWeight
 from tessera.models import default_model_path, load_model
 
 
@@ -32,7 +32,7 @@ def weight_cost(model) -> tuple[float, float]:
     for name, w in model.weights.items():
         if name == "embed" and "lm_head" in model.weights:
             continue  # untied: the embedding is a gather, not a GEMV
-        if isinstance(w, QuantizedWeight):
+        if isinstance(w, (QuantizedWeight, StackedWeight)):
             n, k = w.shape
             flops += 2.0 * n * k
             bytes_moved += w.nbytes

@@ -60,7 +60,7 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
         return f"MLP is not a gated {sorted(_ACT_KINDS)} unit"
     if any(config.is_moe_layer(i) for i in range(config.num_layers)):
         return "mixture-of-experts layers"
-    dtype = weights["embed"].dtype
+    dtype = weights["final_norm.weight"].dtype
     for name, t in weights.items():
         if not name.startswith("layers."):
             continue
@@ -199,7 +199,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
         raise ValueError(f"forward_step: slots must be distinct and in [0, {cache.num_slots}), got {slots.tolist()}")
     w = model.weights
     scale = K.gemma_embed_scale(config.hidden_size, model.dtype) if config.embed_scale else None
-    x = K.embed(step.token_ids.long(), w["embed"], scale=scale, backend=model.backend)
+    x = K.embed(step.token_ids.long(), w["embed"], scale=scale, dtype=model.dtype, backend=model.backend)
     h, x = norm(config, x, w, "layers.0.attn_norm", backend=model.backend)
     h, x = h.contiguous(), x.contiguous().clone()  # both are updated in place, layer by layer
     xs, hs = storage_view(x), storage_view(h)
