@@ -4,6 +4,11 @@ Both models run the same token ids; the table compares every hidden state (embed
 final-normed output: Hugging Face's ``output_hidden_states`` order) by max abs error, norm-relative error and cosine
 similarity, then the final logits by KL divergence (reference || ours) and top-1 agreement. The exit status is
 non-zero when a tolerance is exceeded.
+
+transformers loads the same path by default (it de-quantizes GGUF files itself). ``--reference`` names another
+checkpoint for it instead: the Hugging Face directory a GGUF file was made from, for the files whose keys
+transformers' GGUF reader ignores (``rope_freqs``, yarn, Gemma 2's caps and query scale, MoE widths), or to measure
+what a quantized file costs against its float source.
 """
 
 from __future__ import annotations
@@ -61,8 +66,10 @@ def token_ids(model, prompt: str, seq: int) -> torch.Tensor:
 
 
 def validate(path: str | Path | None, dtype: str = "float32", prompt: str = DEFAULT_PROMPT, seq: int = 32,
-             backend: str = "auto") -> dict:
-    """Run both models; return the per-layer rows, logits metrics and whether every tolerance holds."""
+             backend: str = "auto", reference: str | Path | None = None) -> dict:
+    """Run both models; return the per-layer rows, logits metrics and whether every tolerance holds.
+
+    ``reference`` is the checkpoint transformers runs (default: ``path`` itself)."""
     import torch
 
     from tessera.models import default_model_path, load_model
@@ -72,7 +79,11 @@ def validate(path: str | Path | None, dtype: str = "float32", prompt: str = DEFA
     ids = token_ids(ours, prompt, seq)
     hidden: list[torch.Tensor] = []
     logits = ours.logits(ids, hidden_states=hidden)
-    ref_model = reference_model(path, getattr(torch, dtype))
+    ref_path = Path(reference) if reference is not None else path
+    if not ref_path.exists():
+        raise FileNotFoundError(f"validate: the reference {ref_path} does not exist; pass a Hugging Face directory "
+                                "or a .gguf file")
+    ref_model = reference_model(ref_path, getattr(torch, dtype))
     with torch.no_grad():
         ref = ref_model(ids, output_hidden_states=True)
     names = ["embeddings"] + [f"layer {i}" for i in range(len(hidden) - 2)] + ["last layer + final norm"]
@@ -84,13 +95,14 @@ def validate(path: str | Path | None, dtype: str = "float32", prompt: str = DEFA
     final = compare(logits, ref_logits, "logits")
     max_rel, max_kl, min_top1 = TOLERANCES[dtype]
     ok = final.rel <= max_rel and kl <= max_kl and top1 >= min_top1
-    return {"path": str(path), "dtype": dtype, "tokens": ids.shape[1], "rows": [asdict(r) for r in rows + [final]],
+    return {"path": str(path), "reference": str(ref_path), "dtype": dtype, "tokens": ids.shape[1], "rows": [asdict(r) for r in rows + [final]],
             "kl": kl, "top1": top1, "tolerances": {"rel": max_rel, "kl": max_kl, "top1": min_top1}, "ok": ok}
 
 
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console(width=120)
-    table = Table(title=f"tessera validate {report['path']} ({report['dtype']}, {report['tokens']} tokens)")
+    against = "" if report.get("reference", report["path"]) == report["path"] else f" vs {report['reference']}"
+    table = Table(title=f"tessera validate {report['path']}{against} ({report['dtype']}, {report['tokens']} tokens)")
     for col in ("hidden state", "max |ours - ref|", "relative", "cosine"):
         table.add_column(col, justify="right")
     for r in report["rows"]:
@@ -109,10 +121,12 @@ def add_parser(commands) -> None:
     p.add_argument("--dtype", choices=list(TOLERANCES), default="float32")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--reference", help="the checkpoint transformers runs instead of --model (e.g. the Hugging Face "
+                                       "directory a GGUF file was made from)")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    report = validate(args.model, args.dtype, args.prompt, backend=args.backend)
+    report = validate(args.model, args.dtype, args.prompt, backend=args.backend, reference=args.reference)
     print_report(report)
     return 0 if report["ok"] else 1

@@ -150,3 +150,14 @@ def test_write_rejects_what_gguf_cannot_hold(tmp_path):
         write_gguf(tmp_path / "x.gguf", model.config, model.weights)
     with pytest.raises(ValueError, match="qtype 'Q3_K' is not writable"):
         write_gguf(tmp_path / "x.gguf", model.config, model.weights, qtype="Q3_K")
+
+
+@pytest.mark.parametrize("case", ["llama3-rope-freqs", "qwen2moe"])
+def test_validate_against_the_source_checkpoint(case, tmp_path):
+    """``tessera validate --reference``: a GGUF file whose keys transformers' GGUF reader ignores, checked layer by
+    layer against transformers running the checkpoint it was written from."""
+    from tessera.tools.validate import validate
+
+    _, path, _ = _build(case, tmp_path)
+    report = validate(path, reference=tmp_path / "hf")
+    assert report["ok"] and report["reference"] == str(tmp_path / "hf"), report
