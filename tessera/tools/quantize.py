@@ -22,14 +22,14 @@ from typing import Any
 
 
 def add_parser(commands: Any) -> None:
-    from tessera.models.gguf_write import WRITABLE_TYPES
-
+    # the types are checked by write_gguf: importing it here would load torch for every command's --help
     p = commands.add_parser("quantize", help="write a model (Hugging Face directory or GGUF) as a quantized GGUF",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a Hugging Face directory with config.json and safetensors, or a .gguf file")
     p.add_argument("output", help="the .gguf file to write")
-    p.add_argument("--type", dest="qtype", default="Q8_0", type=str.upper, choices=WRITABLE_TYPES,
-                   help="the type of projections, experts and the embedding (default Q8_0); norms stay F32")
+    p.add_argument("--type", dest="qtype", default="Q8_0", type=str.upper,
+                   help="the type of projections, experts and the embedding: F32, F16, BF16, Q8_0 (default), Q4_0, "
+                        "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K; norms stay F32")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     p.set_defaults(run=_run)
 
@@ -39,6 +39,10 @@ def _run(args: argparse.Namespace) -> int:
     from tessera.models.gguf_reader import read_gguf
     from tessera.models.gguf_write import write_gguf
 
+    from tessera.models.gguf_write import WRITABLE_TYPES
+
+    if args.qtype not in WRITABLE_TYPES:
+        raise ValueError(f"tessera quantize: --type {args.qtype} is not writable; choose one of {list(WRITABLE_TYPES)}")
     source, output = Path(args.source), Path(args.output)
     if output.exists() and not args.force:
         raise ValueError(f"tessera quantize: {output} exists; pass --force to replace it")

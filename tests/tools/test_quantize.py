@@ -74,3 +74,19 @@ def test_tokenizer_keys_round_trip():
         keys = gguf_tokenizer_keys(tokenizer_document(meta))
         assert keys["tokenizer.ggml.pre"] == ("default" if pre == "default" else pre)
         assert build_tokenizer(keys).encode(TEXT).ids == build_tokenizer(meta).encode(TEXT).ids
+
+
+def test_quantize_names_the_types(tmp_path, capsys):
+    """The CLI parser does not import the writer (torch); a wrong --type is refused with the list, before loading."""
+    assert main(["quantize", str(tmp_path / "absent"), str(tmp_path / "x.gguf"), "--type", "q3_k"]) == 2
+    err = capsys.readouterr().err
+    assert "--type Q3_K is not writable" in err and "'Q4_K'" in err
+    import argparse
+
+    from tessera.models.gguf_write import WRITABLE_TYPES
+    from tessera.tools import quantize
+
+    commands = argparse.ArgumentParser().add_subparsers()
+    quantize.add_parser(commands)
+    help_text = commands.choices["quantize"].format_help().replace("\n", " ")
+    assert all(t in help_text for t in WRITABLE_TYPES), help_text  # the help lists every writable type
