@@ -78,3 +78,14 @@ def test_python_dash_m_tessera(tmp_path: Path) -> None:
                           env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["tessera"] == __version__
+
+
+def test_building_the_parser_imports_no_torch():
+    """Every command's start-up builds the whole parser: a subcommand whose ``add_parser`` imports torch (or NumPy)
+    costs every command about a second."""
+    import subprocess
+    import sys
+
+    code = "import sys, tessera.cli as c; c._build_parser(); print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"building the CLI parser imported {out}"
