@@ -32,7 +32,11 @@ from tessera.models.gguf_names import gguf_targets
 FAMILY_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
                "qwen3_moe": "qwen3moe", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 #: what ``qtype`` may name: gguf-py quantizes the 32-value types, :mod:`tessera.kernels.ggml_quantize` the K-quants
-WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M",
+                  "Q5_K_M")
+#: llama.cpp's "_M" mixes: the base type, and Q6_K for attn_v / ffn_down in the layers that get more bits and for the
+#: output table (llama.cpp's llama_tensor_get_type rule for these presets)
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 #: a tensor whose rows are not whole 256-value blocks falls back as llama.cpp's quantizer falls back
 _K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _QUANTIZED_LAYER_WEIGHTS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight", "experts.gate_up",
@@ -52,7 +56,8 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: Mapping[str, torc
     weights : mapping of str to torch.Tensor or QuantizedWeight
         Canonical weights; packed ones are de-quantized first.
     qtype : str
-        The type of the projection, expert and embedding tensors, one of :data:`WRITABLE_TYPES`. A tensor whose rows
+        The type of the projection, expert and embedding tensors, one of :data:`WRITABLE_TYPES`; ``Q4_K_M`` and
+        ``Q5_K_M`` are llama.cpp's mixes (:data:`MIXES`). A tensor whose rows
         are not whole 256-value blocks falls back from Q4_K / Q5_K / Q6_K to Q5_0 / Q5_1 / Q8_0 (llama.cpp's
         rule); one whose rows are not whole blocks of the type is written F32.
     tokenizer : mapping, optional
@@ -89,20 +94,39 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: Mapping[str, torc
         extra = _metadata(writer, config, arch_name, ids_from_tokenizer=tokenizer)
         for key, value in tokenizer.items():
             _add_value(writer, key, value)
-        qt = gguf.GGMLQuantizationType[qtype.upper()]
+        base = MIXES.get(qtype.upper(), qtype.upper())
         for tensor_name, array in extra.items():
             writer.add_tensor(tensor_name, array)
         for canonical, weight in weights.items():
             if canonical == "lm_head" and config.tie_embeddings:
                 continue  # the loader's packed copy of a tied table
             for tensor_name, array in _split(canonical, weight, config, arch):
-                _add_tensor(writer, gguf, tensor_name, array, qt if _quantizable(canonical) else None)
+                chosen = _mixed_type(qtype.upper(), tensor_name, config.num_layers) or base
+                qt = gguf.GGMLQuantizationType[chosen] if _quantizable(canonical) else None
+                _add_tensor(writer, gguf, tensor_name, array, qt)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     finally:
         writer.close()
     return path
+
+
+def _mixed_type(qtype: str, tensor_name: str, layers: int) -> str | None:
+    """The type an ``_M`` mix gives ``tensor_name`` where it differs from the base type (None: the base)."""
+    if qtype not in MIXES:
+        return None
+    if tensor_name == "output.weight":
+        return "Q6_K"
+    parts = tensor_name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and _more_bits(int(parts[1]), layers):
+        return "Q6_K"
+    return None
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits: the first and last eighth, and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
 def _quantizable(canonical: str) -> bool:

@@ -29,7 +29,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("output", help="the .gguf file to write")
     p.add_argument("--type", dest="qtype", default="Q8_0", type=str.upper,
                    help="the type of projections, experts and the embedding: F32, F16, BF16, Q8_0 (default), Q4_0, "
-                        "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K; norms stay F32")
+                        "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, or llama.cpp's mixes Q4_K_M and Q5_K_M (Q6_K for "
+                        "attn_v / ffn_down in some layers and the output table); norms stay F32")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     p.set_defaults(run=_run)
 

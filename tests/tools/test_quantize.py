@@ -90,3 +90,21 @@ def test_quantize_names_the_types(tmp_path, capsys):
     quantize.add_parser(commands)
     help_text = commands.choices["quantize"].format_help().replace("\n", " ")
     assert all(t in help_text for t in WRITABLE_TYPES), help_text  # the help lists every writable type
+
+
+def test_q4_k_m_mix_loads_packed(hf_dir, tmp_path):
+    """llama.cpp's Q4_K_M mix: attn_v and ffn_down in Q6_K in the layers that get more bits (with two layers only
+    layer 1: 2 // 8 = 0, so the "first eighth" is empty and the last starts at 7 * 2 // 8 = 1) and for the output
+    table; the mixed q|k|v stays packed as a StackedWeight of a Q4_K q|k and a Q6_K v."""
+    from tessera.kernels.quant import StackedWeight
+
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", str(hf_dir[0]), str(out), "--type", "Q4_K_M"]) == 0
+    types = {name: t.tensor_type.name for name, t in read_gguf(out).tensor_index.items()}
+    assert types["blk.1.attn_v.weight"] == types["blk.1.ffn_down.weight"] == types["output.weight"] == "Q6_K"
+    assert types["blk.0.attn_v.weight"] == types["blk.1.attn_q.weight"] == types["token_embd.weight"] == "Q4_K"
+    model = load_gguf(out)
+    qkv = model.weights["layers.1.qkv.weight"]
+    assert isinstance(qkv, StackedWeight) and [p.fmt for p in qkv.parts] == ["q4_k", "q6_k"]
+    ids = token_batch(260, seq=12)
+    assert rel_err(model.logits(ids), hf_logits(hf_dir[1], ids)) <= 0.35
