@@ -8,17 +8,20 @@ table (tied weights), with Gemma 2's optional final-logit softcap. ``docs/kernel
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tessera.dtypes import FLOAT_DTYPES
 from tessera.kernels import registry
 
+if TYPE_CHECKING:  # for annotations only: the functions import it where they use it, as before
+    from tessera.kernels.quant import QuantizedWeight
+
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
-def embed(ids: torch.Tensor, table: Any, *, scale: float | None = None, dtype: torch.dtype | None = None,
+def embed(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight, *, scale: float | None = None, dtype: torch.dtype | None = None,
           backend: str = "auto") -> torch.Tensor:
     """Embedding lookup ``out[...] = table[ids[...]] * scale`` (scale applied in float32, rounded once).
 
@@ -67,7 +70,7 @@ def embed(ids: torch.Tensor, table: Any, *, scale: float | None = None, dtype: t
     return registry.resolve("embed", backend, table.device)(ids, table, None if scale is None else float(scale))
 
 
-def _embed_packed(ids: torch.Tensor, table: Any, scale: float | None, dtype: torch.dtype,
+def _embed_packed(ids: torch.Tensor, table: QuantizedWeight, scale: float | None, dtype: torch.dtype,
                   backend: str) -> torch.Tensor:
     """The rows of a packed table, de-quantized and rounded to ``dtype`` (the value a float table loaded in that
     dtype holds), then scaled in float32 and rounded once, as the float path does."""

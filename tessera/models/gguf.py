@@ -53,7 +53,7 @@ _STORED_AS = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloa
 
 
 # 1-D tensors stay float. The token table stays packed when its type can (lookups de-quantize only their rows, as
-# llama.cpp's get_rows does) and is then the tied lm_head too (see _add_packed_output). Of the layer weights only the
+# llama.cpp's get_rows does) and, tied, is the lm_head too (see _keep_packed). Of the layer weights only the
 # dense projections below may stay packed: the MoE kernel, the router and the shared expert read floats.
 _PACKED_LAYER_WEIGHTS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weight")
 
@@ -159,7 +159,7 @@ def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Fa
     (``keep_quantized`` as in :func:`load_gguf`)."""
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for spec in family.weight_specs(config):
-        source = gguf_sources(spec.name, tensors, arch)
+        source = gguf_sources(spec.name, arch, tensors)
         missing = [n for n in source.names if n not in tensors]
         if missing and spec.optional:
             continue
@@ -169,33 +169,27 @@ def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Fa
         parts = [tensors[n] for n in source.names]
         for t in parts:
             _check_shape(t, config, arch)
-        packed = keep_quantized is not False and _may_pack(spec.name)
-        if spec.name in ("lm_head", "embed") and keep_quantized is not False:
-            packed = parts[0].tensor_type in _PACKABLE  # the tables stay packed whenever their type can
-        if packed and keep_quantized is None:  # auto: pack only what can stay packed (parts may differ in type)
-            packed = {t.tensor_type for t in parts} <= set(_PACKABLE)
-        if packed and _any_quantized(parts):
+        if _keep_packed(spec.name, parts, keep_quantized):
             weights[spec.name] = _read_packed(spec.name, parts, config, arch)
         else:
             floats = [_read_float(t, spec.name, j, config, arch, dtype) for j, t in enumerate(parts)]
             weights[spec.name] = assemble(source, floats)
-    if keep_quantized is not False and "lm_head" not in weights:
-        _add_packed_output(tensors, config, arch, weights)
     check_shapes(config, weights)
     return weights
 
 
-def _may_pack(name: str) -> bool:
-    return name in ("lm_head", "embed") or (name.startswith("layers.") and name.split(".", 2)[2] in _PACKED_LAYER_WEIGHTS)
-
-
-def _add_packed_output(tensors: dict[str, TensorInfo], config: ModelConfig, arch: GGUFArch,
-                       weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
-    """A tied output table (the embedding) in a packable type is the lm_head too, packed, as llama.cpp runs it: the
-    logits GEMV then reads the file's bytes (SmolLM2's Q8_0 table: 30 MB) instead of a de-quantized float table
-    (113 MB in fp32), the largest read of a small model's decode step; the lookups read the same packed table."""
-    if isinstance(weights.get("embed"), QuantizedWeight):
-        weights["lm_head"] = weights["embed"]
+def _keep_packed(name: str, parts: list[TensorInfo], keep_quantized: bool | None) -> bool:
+    """Whether canonical weight ``name`` stays packed. Only quantized projections and tables do, never with
+    ``keep_quantized=False``. The tables (and, by default, the projections) only when every part's type can be held
+    exactly; with ``keep_quantized=True`` a projection in another type goes on to raise in :func:`_read_packed`.
+    A tied model's packed token table is its lm_head too (``layers`` falls back to ``embed``): the logits GEMV reads
+    the file's bytes (SmolLM2's Q8_0 table: 30 MB, not 113 MB of float32), as llama.cpp runs it."""
+    table = name in ("lm_head", "embed")
+    projection = name.startswith("layers.") and name.split(".", 2)[2] in _PACKED_LAYER_WEIGHTS
+    if keep_quantized is False or not (table or projection) or not _any_quantized(parts):
+        return False
+    every_type_fits = {t.tensor_type for t in parts} <= set(_PACKABLE)
+    return every_type_fits if table or keep_quantized is None else True
 
 
 def _any_quantized(parts: list[TensorInfo]) -> bool:

@@ -77,8 +77,9 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, TensorInfo], path:
                                   f"the {name} architecture has no mixture-of-experts family here")
         family_name = arch.moe_family
     family = all_families()[family_name]
+    hf = hf_config(meta, tensors, name, family_name, path)  # raises CheckpointError naming the key itself
     try:
-        config = family.config_from_hf(hf_config(meta, tensors, name, family_name, path))
+        config = family.config_from_hf(hf)
     except (KeyError, ValueError, NotImplementedError) as err:
         raise CheckpointError(f"{path}: the {name} metadata does not describe a model Tessera can run: {err}") from err
     if arch.norm_plus_one:
@@ -158,9 +159,7 @@ def rope_scaling(meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str
     Llama 3.1+ files state the llama3 rule) and LongRoPE's factor tensors (Phi-3). Anything else raises, naming
     the key.
     """
-    def get(key: str, default: Any = None) -> Any:
-        return _scalar(meta, f"{arch}.rope.{key}", path, default)
-
+    get = _getter(meta, f"{arch}.rope", path)
     linear = get("scale_linear")  # the key older converters wrote for linear scaling
     kind = get("scaling.type", "linear" if linear else None)
     factor = get("scaling.factor", linear)
@@ -260,7 +259,12 @@ def _layer_types(pattern: Any, layers: int, default_every: int, key: str, path: 
             raise CheckpointError(f"{path}: {key} lists {len(pattern)} layers; the model has {layers}")
         return ["sliding_attention" if bool(p) else "full_attention" for p in pattern]
     every = default_every if pattern is None else int(pattern)
-    return ["sliding_attention" if every == 0 or i % every < every - 1 else "full_attention" for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding_layers(every, layers)]
+
+
+def sliding_layers(every: int, layers: int) -> list[bool]:
+    """llama.cpp's ``set_swa_pattern(n)``: layer ``il`` is sliding unless ``il % n == n - 1`` (n = 0: all sliding)."""
+    return [every == 0 or i % every < every - 1 for i in range(layers)]
 
 
 def _phi3(hf: dict[str, Any], meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str,

@@ -60,27 +60,21 @@ class GGUFSource:
     axis: int = 0
 
 
-def gguf_sources(name: str, tensors: dict[str, Any], arch: GGUFArch) -> GGUFSource:
-    """The GGUF tensor names canonical weight ``name`` is read from (present in ``tensors`` or not)."""
+def gguf_sources(name: str, arch: GGUFArch, tensors: dict[str, Any] | None = None) -> GGUFSource:
+    """The GGUF tensors canonical weight ``name`` is read from (present in ``tensors`` or not), or, without
+    ``tensors``, written to.
+
+    The fused forms: gate|up by architecture (Phi-3's ``ffn_up`` exists either way); q|k|v by what the file holds
+    (llama.cpp reads either form), and in the architecture's form when writing.
+    """
     if name in GLOBAL_TENSORS:
         return GGUFSource((GLOBAL_TENSORS[name],))
     layer, suffix = _split(name)
     fused = FUSED_TENSORS.get(suffix)
-    # gate|up is fused by architecture (Phi-3's ffn_up exists either way); q|k|v by what the file holds
-    in_file = arch.fused_projections if suffix == "gate_up.weight" else f"blk.{layer}.{fused}" in tensors
-    if fused is not None and in_file:
-        return GGUFSource((f"blk.{layer}.{fused}",))
-    parts, axis = LAYER_TENSORS[suffix]
-    return GGUFSource(tuple(f"blk.{layer}.{p}" for p in parts), axis)
-
-
-def gguf_targets(name: str, arch: GGUFArch) -> GGUFSource:
-    """The GGUF tensors the writer splits canonical weight ``name`` into (the fused form where ``arch`` uses one)."""
-    if name in GLOBAL_TENSORS:
-        return GGUFSource((GLOBAL_TENSORS[name],))
-    layer, suffix = _split(name)
-    if arch.fused_projections and suffix in FUSED_TENSORS:  # Phi-3 stores q|k|v and gate|up fused
-        return GGUFSource((f"blk.{layer}.{FUSED_TENSORS[suffix]}",))
+    if fused is not None:
+        by_file = tensors is not None and suffix != "gate_up.weight"
+        if (f"blk.{layer}.{fused}" in tensors) if by_file else arch.fused_projections:
+            return GGUFSource((f"blk.{layer}.{fused}",))
     parts, axis = LAYER_TENSORS[suffix]
     return GGUFSource(tuple(f"blk.{layer}.{p}" for p in parts), axis)
 

@@ -25,8 +25,8 @@ from tessera.kernels.ggml_quantize import quantize_rows
 from tessera.kernels.quant import QuantizedWeight, dequantize
 from tessera.kernels.rope_scaling import inv_freq_f64
 from tessera.models.config import ModelConfig
-from tessera.models.gguf_arch import ARCHITECTURES, LAYERS_27B, SWA_PATTERN, GGUFArch
-from tessera.models.gguf_names import gguf_targets
+from tessera.models.gguf_arch import ARCHITECTURES, LAYERS_27B, SWA_PATTERN, GGUFArch, sliding_layers
+from tessera.models.gguf_names import gguf_sources
 
 #: Tessera family -> the GGUF architecture name it is written as
 FAMILY_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
@@ -174,7 +174,7 @@ def _split(canonical: str, weight: torch.Tensor | QuantizedWeight, config: Model
     array = w.detach().to(torch.float32).cpu().numpy()
     if canonical.endswith("norm.weight") and config.norm == "rms_gemma":
         array = array + np.float32(1.0)  # llama.cpp runs Gemma's x * (1 + w) as a plain RMSNorm over 1 + w
-    target = gguf_targets(canonical, arch)
+    target = gguf_sources(canonical, arch)
     if len(target.names) == 1:
         return [(target.names[0], array)]
     sizes = _part_sizes(canonical, config)
@@ -308,10 +308,8 @@ def _gemma(writer: Any, config: ModelConfig, arch: str) -> None:
     if len(set(windows)) != 1:
         raise ValueError(f"write_gguf: {arch} files hold one sliding window, got {sorted(set(windows))}")
     writer.add_sliding_window(int(windows[0]))
-    every = SWA_PATTERN[arch]
-    default = [bool(every == 0 or i % every < every - 1) for i in range(config.num_layers)]
     sliding = [w is not None for w in config.layer_windows]
-    if sliding != default:
+    if sliding != sliding_layers(SWA_PATTERN[arch], config.num_layers):
         writer.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
     if arch == "gemma3":
         writer.add_rope_freq_base_swa(float(config.rope_configs["local"]["rope_theta"]))

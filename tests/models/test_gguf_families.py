@@ -161,3 +161,14 @@ def test_validate_against_the_source_checkpoint(case, tmp_path):
     _, path, _ = _build(case, tmp_path)
     report = validate(path, reference=tmp_path / "hf")
     assert report["ok"] and report["reference"] == str(tmp_path / "hf"), report
+
+
+def test_metadata_errors_name_the_key_once():
+    """A metadata error raised while building the config reaches the caller as it was raised, not re-wrapped."""
+    from tessera.models.gguf_arch import config_from_gguf
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.block_count": 2, "llama.feed_forward_length": [96, 128]}
+    with pytest.raises(CheckpointError) as err:
+        config_from_gguf(meta, {}, "x.gguf")
+    assert str(err.value).startswith("x.gguf: GGUF metadata key 'llama.feed_forward_length' differs per layer")

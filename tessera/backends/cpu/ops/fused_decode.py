@@ -28,7 +28,7 @@ from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeigh
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.ops.quant import SMALL_M
-from tessera.kernels.quant import QuantizedWeight
+from tessera.kernels.quant import QuantizedWeight, StackedWeight
 from tessera.models.config import ModelConfig
 from tessera.models.layers import norm
 from tessera.tuning import tuned
@@ -77,6 +77,8 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
                         "(and int8 ones with an int8-activation qgemv variant)")
             if t.group_size < 32 or t.group_size & (t.group_size - 1):
                 return f"weight {name}: int4 group size {t.group_size} (the int4 GEMV takes powers of two >= 32)"
+        elif isinstance(t, StackedWeight):
+            return f"weight {name} holds row blocks in several packed formats ({[p.fmt for p in t.parts]})"
         elif not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()):
             return f"weight {name} is not a contiguous {dtype} CPU tensor (mixed dtypes)"
     return None
