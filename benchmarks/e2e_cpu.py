@@ -7,6 +7,8 @@ Workloads (``--workloads``, comma-separated):
 - ``tinyllama-q4_0``, ``tinyllama-q8_0``: a synthetic 1B Llama in TinyLlama-1.1B's shape with seeded random weights
   (``tessera.bench.synthetic_gguf``), Q4_0 or Q8_0 projections; Tessera keeps them packed. Its 0.65 / 1.15 GB of
   weights are read from DRAM every decode step, so decode is also reported as a fraction of the read ceiling.
+- ``tinyllama-q4_k_m``: the same model in llama.cpp's Q4_K_M mix (Q4_K, and Q6_K for attn_v / ffn_down in the
+  layers that get more bits), quantized by Tessera's own K-quant writer; Tessera keeps every block packed.
 
 Measurements, each side on the same file with the same number of threads (``--threads``, default 2):
 
@@ -113,6 +115,8 @@ WORKLOADS = {
                                lambda: synthetic_gguf(TINYLLAMA_1B, "Q4_0")),
     "tinyllama-q8_0": Workload("tinyllama-q8_0", "synthetic 1.1B (TinyLlama shape) Q8_0", "q8_0", ("packed",), False,
                                lambda: synthetic_gguf(TINYLLAMA_1B, "Q8_0")),
+    "tinyllama-q4_k_m": Workload("tinyllama-q4_k_m", "synthetic 1.1B (TinyLlama shape) Q4_K_M", "q4_k_m", ("packed",),
+                                 False, lambda: synthetic_gguf(TINYLLAMA_1B, "Q4_K_M")),
 }
 
 

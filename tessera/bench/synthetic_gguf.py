@@ -28,10 +28,15 @@ from typing import Any
 import gguf
 import numpy as np
 
+from tessera.kernels.ggml_quantize import quantize_rows
+from tessera.models.gguf_write import more_bits
+
 _T = gguf.GGMLQuantizationType
 #: weight types this module writes for the projections, with the matching ``general.file_type``
 WEIGHT_TYPES = {"Q4_0": (_T.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0), "Q8_0": (_T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-                "F16": (_T.F16, gguf.LlamaFileType.MOSTLY_F16)}
+                "F16": (_T.F16, gguf.LlamaFileType.MOSTLY_F16),
+                # llama.cpp's mix: Q4_K, with Q6_K for attn_v and ffn_down in the layers that get more bits
+                "Q4_K_M": (_T.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M)}
 EMBED_TYPE = _T.Q8_0
 #: bump when the file layout or the weight distribution changes, so cached files are rewritten
 FORMAT_VERSION = 1
@@ -118,8 +123,10 @@ def synthetic_gguf(shape: LlamaShape = TINYLLAMA_1B, weight_type: str = "Q4_0", 
     ----------
     shape : LlamaShape
         Architecture; :data:`TINYLLAMA_1B` by default.
-    weight_type : {"Q4_0", "Q8_0", "F16"}
-        Storage type of the layer projections (norms stay F32, the tied embedding Q8_0).
+    weight_type : {"Q4_0", "Q8_0", "F16", "Q4_K_M"}
+        Storage type of the layer projections (norms stay F32, the tied embedding Q8_0); ``Q4_K_M`` is llama.cpp's
+        mix (Q4_K, and Q6_K for attn_v and ffn_down in the first and last eighth of the layers and every third
+        between), quantized by :func:`tessera.kernels.ggml_quantize.quantize_rows`.
     seed : int
         Seed of the weights; the same arguments always give the same bytes.
     cache_dir : path, optional
@@ -237,8 +244,12 @@ def write_synthetic_gguf(path: str | Path, shape: LlamaShape, weight_type: str =
                 writer.add_tensor(name, values)
                 continue
             ttype = EMBED_TYPE if name == "token_embd.weight" else qtype
+            if weight_type == "Q4_K_M" and _more_bits_tensor(name, shape.layers):
+                ttype = _T.Q6_K
             if ttype == _T.F16:
                 writer.add_tensor(name, values.astype(np.float16))
+            elif ttype in (_T.Q4_K, _T.Q6_K):
+                writer.add_tensor(name, quantize_rows(values, ttype.name.lower()), raw_dtype=ttype)
             else:
                 writer.add_tensor(name, gguf.quants.quantize(values, ttype), raw_dtype=ttype)
             del values
@@ -251,6 +262,12 @@ def write_synthetic_gguf(path: str | Path, shape: LlamaShape, weight_type: str =
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _more_bits_tensor(name: str, layers: int) -> bool:
+    """Whether llama.cpp's ``_M`` mixes give GGUF tensor ``name`` Q6_K (:func:`tessera.models.gguf_write.more_bits`)."""
+    parts = name.split(".")
+    return parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and more_bits(int(parts[1]), layers)
 
 
 def tensor_bytes(path: str | Path) -> int:

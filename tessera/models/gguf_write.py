@@ -119,12 +119,12 @@ def _mixed_type(qtype: str, tensor_name: str, layers: int) -> str | None:
     if tensor_name == "output.weight":
         return "Q6_K"
     parts = tensor_name.split(".")
-    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and _more_bits(int(parts[1]), layers):
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits(int(parts[1]), layers):
         return "Q6_K"
     return None
 
 
-def _more_bits(layer: int, layers: int) -> bool:
+def more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's choice of the layers that get more bits: the first and last eighth, and every third between."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 

@@ -24,3 +24,21 @@ def random_qweight(fmt: str, n: int, k: int, gen: torch.Generator, group: int = 
         zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
         return QuantizedWeight(fmt, (n, k), g, data, scales, zeros=zeros)
     return QuantizedWeight(fmt, (n, k), g, data, scales, mins=torch.full((n, k // g), -0.08))
+
+
+#: byte offsets of the float16 fields (d, dmin / m) in a block of each ggml block format
+_GGML_HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_ggml_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """A ``[n, k]`` weight in one of ggml's block formats kept whole (``q5_0``, ``q5_1``, ``q4_k``, ``q5_k``,
+    ``q6_k``) with random bytes: every code, scale and bit pattern the format allows, except that the float16 fields
+    hold values of about 0.01 (random bits would include NaNs and infinities)."""
+    from tessera.kernels.ggml_blocks import BLOCKS
+
+    _, values, size = BLOCKS[fmt]
+    blocks = torch.randint(0, 256, (n * (k // values), size), dtype=torch.uint8, generator=gen)
+    for at in _GGML_HALVES[fmt]:
+        halves = (torch.rand(blocks.shape[0], generator=gen) * 0.02 + 0.001).half()
+        blocks[:, at:at + 2] = halves.view(torch.uint8).view(-1, 2)
+    return QuantizedWeight(fmt, (n, k), values, blocks.view(n, -1).contiguous(), None)

@@ -208,6 +208,69 @@ def test_fused_decode_with_int4_projections(fmt, variant, n_workers, tmp_path, f
     assert fused_calls == [fmt != "int8" or variant != "portable"] * 3
 
 
+def _ggml_weight(w: torch.Tensor, fmt: str):
+    """``w`` in ggml block format ``fmt`` as a GGUF file holds it (K-quants by Tessera's writer, Q5_0 by gguf-py)."""
+    import gguf
+    import numpy as np
+
+    from tessera.kernels.ggml_quantize import quantize_rows
+    from tessera.kernels.quant import from_gguf
+
+    values = w.detach().float().numpy().astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    blocks = quantize_rows(values, fmt) if fmt.endswith("_k") else gguf.quants.quantize(values, qtype)
+    return from_gguf(blocks, qtype, tuple(w.shape))
+
+
+#: (the mix, workers): llama.cpp's Q4_K_M layout (q|k in Q4_K with a Q6_K v: two row blocks; Q6_K down) on the
+#: calling thread and in the parallel region; Q5_K / Q5_0 projections on the calling thread
+_GGML_CASES = [("q4_k_m", 1), ("q4_k_m", 2), ("q5", 1)]
+
+
+@pytest.mark.parametrize("mix, n_workers", _GGML_CASES, ids=[f"{m}-{'serial' if n == 1 else 'parallel'}"
+                                                             for m, n in _GGML_CASES])
+def test_fused_decode_with_ggml_block_projections(mix, n_workers, tmp_path, fused_calls, monkeypatch):
+    """A GGUF K-quant model's projections, kept as the file's blocks, run through the fused kernel on the best
+    int8-activation ``qgemv`` variant and equal the per-op path."""
+    from tessera.backends.cpu.ops import _qdot
+    from tessera.kernels.quant import StackedWeight
+
+    best = variants.available("qgemv")[0]
+    if _qdot._TOKENS[best] is None:
+        pytest.skip("no int8-activation qgemv variant on this CPU")
+    monkeypatch.setattr(fused_decode, "_workers", lambda work: n_workers)
+    config = transformers.LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny(transformers.LlamaForCausalLM, config, tmp_path)
+    model = load_model(tmp_path)
+    for i in range(2):
+        p = f"layers.{i}"
+        qkv = model.weights[f"{p}.qkv.weight"]
+        if mix == "q4_k_m":
+            model.weights[f"{p}.qkv.weight"] = StackedWeight((_ggml_weight(qkv[:256 + 128], "q4_k"),
+                                                              _ggml_weight(qkv[256 + 128:], "q6_k")))
+            model.weights[f"{p}.down.weight"] = _ggml_weight(model.weights[f"{p}.down.weight"], "q6_k")
+        else:
+            model.weights[f"{p}.qkv.weight"] = _ggml_weight(qkv, "q5_k")
+            model.weights[f"{p}.down.weight"] = _ggml_weight(model.weights[f"{p}.down.weight"], "q5_0")
+        for name in ("o", "gate_up"):
+            model.weights[f"{p}.{name}.weight"] = _ggml_weight(model.weights[f"{p}.{name}.weight"], "q4_k")
+    assert unsupported_reason(model.config, model.weights) is None
+    gen = torch.Generator().manual_seed(7)
+    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((6, 9))}
+    tables = {0: [5, 1, 3], 1: [2, 7, 0, 4]}
+    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+    for _ in range(3):
+        step = _step({s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}, {0: 1, 1: 1}, tables)
+        fused = forward_step(model, caches[0], step)
+        per_op = forward_step(model, caches[1], step, fused=False)
+        torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)
+        seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
+    assert fused_calls == [True] * 3
+
+
 def test_parallel_layer_finishes_on_a_pool_of_one(tmp_path, monkeypatch):
     """Workers claim their work, so a parallel region that a one-thread pool runs iteration by iteration still
     finishes (a barrier waiting for a fixed number of workers would hang here), with the same result."""

@@ -49,6 +49,7 @@ from tessera.backends.cpu.ops._int8_simd import IsaTokenType
 from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_rows, int8_rows, quantize_row
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
+from tessera.backends.cpu.ops._qdot_ggml import ggml_rows
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
@@ -64,16 +65,25 @@ PARALLEL_WORK = 1 << 18
 _PHASES = 11
 
 
+def _is_ggml(w) -> bool:
+    """A ggml block-format tuple ``(w0, w1, fmt0, fmt1, split)``: its second item is block bytes (uint8), where an
+    int4 / int8 tuple has its scales (float32, or float16 bits as int16)."""
+    return isinstance(w, types.BaseTuple) and len(w.types) == 5 and isinstance(w.types[1], types.Array) \
+        and w.types[1].dtype == types.uint8
+
+
 def _kind(w, isa):
-    """Which row kernel a projection runs: 0 float, 1 int8-activation (int4 or int8 weight), 2 portable int4."""
+    """Which row kernel a projection runs: 0 float, 1 int8-activation (int4, int8 or a ggml block format), 2
+    portable int4."""
     if isinstance(w, types.Array):
         return 0
     if not isinstance(w, types.BaseTuple) or len(w.types) not in (3, 5):
         raise TypingError(f"decoder layer: expected a float array or a packed weight tuple of 3 or 5 items, got {w}")
     if isinstance(isa, IsaTokenType):
         return 1
-    if len(w.types) == 3:
-        raise TypingError("decoder layer: int8 weights need an int8-activation qgemv variant (isa is None)")
+    if len(w.types) == 3 or _is_ggml(w):
+        raise TypingError("decoder layer: int8 and ggml block-format weights need an int8-activation qgemv variant "
+                          "(isa is None)")
     return 2
 
 
@@ -159,7 +169,8 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     """Columns ``lo .. hi - 1`` of ``out = x @ w.T (+ b)`` from the prepared input: ``w`` is a float storage array
     ``[N, K]`` or a packed weight as :func:`tessera.backends.cpu.ops._qdot.weight_arrays` gives it,
     ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], has_min, g)`` for int4 / int4_min or
-    ``(q int8 [N, K], scales, g)`` for int8. ``acc`` float32 ``[T, N]`` holds the GEMV result before
+    ``(q int8 [N, K], scales, g)`` for int8, ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats (two row blocks,
+    :func:`tessera.backends.cpu.ops._qdot_ggml.ggml_rows`). ``acc`` float32 ``[T, N]`` holds the GEMV result before
     :func:`_finish_rows` rounds it into ``out``."""
     kind = _kind(w, isa)
     if kind == 0:
@@ -167,6 +178,12 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
             _float_rows(inp[0], w, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return float_rows
+    if kind == 1 and _is_ggml(w):
+        def ggml_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            w0, w1, fmt0, fmt1, split = w
+            _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return ggml_int8_activation_rows
     if kind == 1 and len(w.types) == 5:
         def int4_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             packed, scales, offsets, has_min, group = w
@@ -198,6 +215,11 @@ def _float_rows(xf, w, acc, lo, hi):  # pragma: no cover - compiled
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _int4_act_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, lo, hi):  # pragma: no cover
     int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, lo, hi)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _ggml_act_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi):  # pragma: no cover - compiled
+    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -416,9 +438,12 @@ def _n_out(w):  # pragma: no cover - replaced by the overload inside jitted code
 
 @overload(_n_out)
 def _n_out_overload(w):
-    """Output features of a projection: rows of a float weight, or of a packed tuple's first array."""
+    """Output features of a projection: rows of a float weight, of a packed tuple's first array, or of both row
+    blocks of a ggml tuple."""
     if isinstance(w, types.Array):
         return lambda w: w.shape[0]
+    if _is_ggml(w):
+        return lambda w: w[4] + w[1].shape[0]
     return lambda w: w[0].shape[0]
 
 
@@ -430,7 +455,8 @@ def _flat(w):  # pragma: no cover - replaced by the overload inside jitted code
 def _flat_overload(w):
     """A projection as five plain values. A parallel region cannot take tuples of arrays from outside (Numba's
     parfors pass only arrays and scalars into the loop body), so the weights cross it taken apart and are rebuilt
-    inside by :func:`_unflat`: a float weight as ``(w, 0, 0, 0, 0)``, int8 as ``(q, scales, 0, 0, g)``."""
+    inside by :func:`_unflat`: a float weight as ``(w, 0, 0, 0, 0)``, int8 as ``(q, scales, 0, 0, g)``; int4 and
+    ggml tuples have five items already."""
     if isinstance(w, types.Array):
         return lambda w: (w, 0, 0, 0, 0)
     if len(w.types) == 3:
@@ -447,7 +473,7 @@ def _unflat_overload(a, b, c, d, e):
     """The projection :func:`_flat` took apart."""
     if isinstance(b, types.Integer):
         return lambda a, b, c, d, e: a
-    if isinstance(c, types.Integer):
+    if isinstance(c, types.Integer) and b.dtype != types.uint8:  # a ggml tuple's b is uint8 blocks: kept whole
         return lambda a, b, c, d, e: (a, b, e)
     return lambda a, b, c, d, e: (a, b, c, d, e)
 

@@ -1,5 +1,6 @@
-"""Host side of the int8-activation quantized GEMV (:mod:`._qdot_kernels`): which weights it takes, which ISA token
-the chosen ``qgemv`` variant runs, and the call itself."""
+"""Host side of the int8-activation quantized GEMV (:mod:`._qdot_kernels` for int4 / int8 codes with separate
+scales, :mod:`._qdot_ggml` for ggml's block formats kept whole): which weights it takes, which ISA token the chosen
+``qgemv`` variant runs, and the call itself."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ import torch
 
 from tessera._atomic import write_text_atomic
 from tessera.backends.cpu import variants
+from tessera.backends.cpu.ops import _qdot_ggml as ggml_kernels
 from tessera.backends.cpu.ops import _qdot_kernels as kernels
+from tessera.backends.cpu.ops._ggml_kernels import FMT_CODES as GGML_CODES
 from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
 from tessera.backends.cpu.ops._narrow import group_view
-from tessera.kernels.quant import QuantizedWeight
+from tessera.kernels.quant import QuantizedWeight, StackedWeight
 
 #: ``qgemv`` variant -> the ISA token its kernels compile for (None: the float-activation kernels)
 _TOKENS: dict[str, IsaToken | None] = {"vnni512": VNNI512, "vnni": VNNI, "avx2": AVX2, "portable": None}
 
 
 #: what one ``qgemv`` specialization is compiled for: the weight format and its scales' dtype (float32 from
-#: :func:`~tessera.kernels.quant.quantize`, float16 as a GGUF file stores them)
+#: :func:`~tessera.kernels.quant.quantize`, float16 as a GGUF file stores them; uint8 for ggml's block formats, whose
+#: scales are bytes inside their blocks)
 Kind = tuple[str, torch.dtype]
 #: the kinds checked when the caller names no weight (the benchmarks and tuners, which quantize their own weights)
 DEFAULT_KINDS: tuple[Kind, ...] = (("int4", torch.float32), ("int4_min", torch.float32), ("int8", torch.float32))
@@ -36,7 +40,15 @@ _CHOSEN: dict[tuple, IsaToken | None] = {}
 
 def kind_of(qw: QuantizedWeight) -> Kind:
     """The kernel specialization ``qw`` runs."""
-    return (qw.fmt, qw.scales.dtype)
+    return (qw.fmt, torch.uint8 if qw.scales is None else qw.scales.dtype)
+
+
+def _packed_parts(weights) -> list[QuantizedWeight]:
+    """The :class:`QuantizedWeight` s among ``weights``, a :class:`StackedWeight` counted as its parts."""
+    out: list[QuantizedWeight] = []
+    for w in weights:
+        out.extend(w.parts if isinstance(w, StackedWeight) else (w,))
+    return out
 
 
 def chosen_token(*weights: QuantizedWeight) -> IsaToken | None:
@@ -49,7 +61,7 @@ def chosen_token(*weights: QuantizedWeight) -> IsaToken | None:
     model does not run (a first run on an empty kernel cache pays only for its own kinds). A variant that fails is
     replaced by the next one this CPU runs, for all the given weights together, with a warning.
     """
-    taken = [w for w in weights if unsupported(w) is None]  # a weight the int8 kernels cannot take runs elsewhere
+    taken = [w for w in _packed_parts(weights) if unsupported(w) is None]  # a weight the int8 kernels cannot take runs elsewhere
     kinds = tuple(sorted({kind_of(w) for w in taken}, key=str)) if taken else DEFAULT_KINDS
     key = (os.environ.get("TESSERA_CPU_VARIANTS", ""), os.environ.get("TESSERA_ISA", ""), variants.generation,
            variants.tuned_preference("qgemv"), kinds)  # what `tessera tune` chose: a memoized lookup
@@ -137,6 +149,8 @@ def self_check(isa: IsaToken, kind: Kind = ("int4", torch.float32)) -> str | Non
 
     fmt, scale_dtype = kind
     gen = torch.Generator().manual_seed(20261201)
+    if fmt in GGML_CODES:
+        return _self_check_ggml(isa, fmt, gen)
     # five x rows: a block of four and a single one; 11 blocks of 32: the 512-bit rows' unrolled pairs, one more
     # pair and an odd block
     shapes = ((32, 352), (128, 384)) if fmt == "int4" else ((32, 352),)
@@ -153,6 +167,30 @@ def self_check(isa: IsaToken, kind: Kind = ("int4", torch.float32)) -> str | Non
     return None
 
 
+def _self_check_ggml(isa: IsaToken, fmt: str, gen: torch.Generator) -> str | None:
+    """:func:`self_check` for a ggml block format: random block bytes (every code and scale pattern), K of three
+    blocks of 256 (11 blocks of 32 for Q5_0 / Q5_1: an odd count), and a weight of two row blocks (the second in
+    another format, as a Q4_K_M file's q|k|v)."""
+    from tessera.backends.reference.ops.quant import qmatmul_f64
+    from tessera.tuning.random_weights import random_ggml_weight
+
+    k = 352 if fmt in ("q5_0", "q5_1") else 768
+    other = {"q5_0": "q5_1", "q5_1": "q5_0", "q4_k": "q6_k"}.get(fmt, "q4_k")
+    x = torch.randn(5, k, generator=gen)
+    x_deq = quantized_activation(x)
+    single = random_ggml_weight(fmt, 21, k, gen)
+    stacked = StackedWeight((single, random_ggml_weight(other, 19, k, gen)))
+    for w in (single, stacked):
+        parts = w.parts if isinstance(w, StackedWeight) else (w,)
+        want = torch.cat([qmatmul_f64(x_deq, p) for p in parts], dim=1)
+        for serial in (True, False):
+            got = qmatmul(x, w, isa, serial).double()
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+            if not err <= 1e-5:  # also catches NaN
+                return f"{fmt} ({len(parts)} row blocks), serial={serial}: relative error {err:.3g}"
+    return None
+
+
 def _with_scale_dtype(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
     """``qw`` with its scales (and mins) rounded to ``dtype``: the oracle reads the rounded values too."""
     if qw.scales.dtype == dtype:
@@ -161,10 +199,18 @@ def _with_scale_dtype(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeigh
     return dataclasses.replace(qw, scales=qw.scales.to(dtype), mins=mins)
 
 
-def unsupported(qw: QuantizedWeight) -> str | None:
+def unsupported(qw: QuantizedWeight | StackedWeight) -> str | None:
     """Why the int8-activation kernels cannot take ``qw`` (None when they can)."""
+    if isinstance(qw, StackedWeight):
+        fmts = [p.fmt for p in qw.parts]
+        if len(fmts) != 2 or not all(f in GGML_CODES for f in fmts):
+            return (f"row blocks in formats {fmts} (the int8 dot products take two blocks of ggml formats "
+                    f"{sorted(GGML_CODES)})")
+        return unsupported(qw.parts[0]) or unsupported(qw.parts[1])
+    if qw.fmt in GGML_CODES:
+        return None  # whole blocks of 32 or 256 values: any K the format can hold
     if qw.fmt not in ("int4", "int4_min", "int8"):
-        return f"format {qw.fmt} (the int8 dot products take int4, int4_min and int8)"
+        return f"format {qw.fmt} (the int8 dot products take int4, int4_min, int8 and {sorted(GGML_CODES)})"
     if qw.shape[1] % kernels.BLOCK:
         return f"K={qw.shape[1]} is not a multiple of the activation block {kernels.BLOCK}"
     if qw.group_size % kernels.BLOCK and qw.group_size != qw.shape[1]:
@@ -172,22 +218,32 @@ def unsupported(qw: QuantizedWeight) -> str | None:
     return None
 
 
-def weight_arrays(qw: QuantizedWeight) -> tuple:
-    """The kernels' weight arguments after the activation ones, as NumPy views."""
+def weight_arrays(qw: QuantizedWeight | StackedWeight) -> tuple:
+    """The kernels' weight arguments after the activation ones, as NumPy views: ``(q, scales, group)`` for int8,
+    ``(packed, scales, offsets, has_min, group)`` for int4 / int4_min, and ``(w0, w1, fmt0, fmt1, split)`` for ggml's
+    block formats (:func:`._qdot_ggml.ggml_rows`; one format: ``w1`` empty and ``split = N``)."""
+    if isinstance(qw, StackedWeight):
+        a, b = qw.parts
+        return (a.data.numpy(), b.data.numpy(), GGML_CODES[a.fmt], GGML_CODES[b.fmt], a.shape[0])
+    if qw.fmt in GGML_CODES:
+        data = qw.data.numpy()
+        return (data, data[:0], GGML_CODES[qw.fmt], GGML_CODES[qw.fmt], qw.shape[0])
     if qw.fmt == "int8":
         return (qw.data.numpy(), group_view(qw.scales), qw.group_size)
     offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
     return (qw.data.numpy(), group_view(qw.scales), group_view(offsets), qw.fmt == "int4_min", qw.group_size)
 
 
-def qmatmul(x: torch.Tensor, qw: QuantizedWeight, isa: IsaToken, serial: bool) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, qw: QuantizedWeight | StackedWeight, isa: IsaToken, serial: bool) -> torch.Tensor:
     """float32 ``x_deq @ W.T`` for contiguous float32 ``x [M, K]``: x quantized to int8 per block of 32, then the
     integer kernels of ``isa`` on the calling thread (``serial``) or over all threads."""
     m = x.shape[0]
     out = torch.empty(m, qw.shape[0], dtype=torch.float32)
     xq, xd, xs = kernels.quantize_activations(x.numpy())
     on = out.numpy()
-    if qw.fmt == "int8":
+    if isinstance(qw, StackedWeight) or qw.fmt in GGML_CODES:
+        (ggml_kernels.gemv_ggml_serial if serial else ggml_kernels.gemv_ggml)(isa, xq, xd, xs, *weight_arrays(qw), on)
+    elif qw.fmt == "int8":
         q, scales, group = weight_arrays(qw)
         (kernels.gemv_int8_serial if serial else kernels.gemv_int8)(isa, xq, xd, q, scales, group, on)
     else:

@@ -64,21 +64,20 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
     for name, t in weights.items():
         if not name.startswith("layers."):
             continue
-        if isinstance(t, QuantizedWeight):
+        if isinstance(t, (QuantizedWeight, StackedWeight)):
+            fmt = t.fmt if isinstance(t, QuantizedWeight) else "+".join(p.fmt for p in t.parts)
             if name.rsplit(".", 2)[-2] not in _PROJECTIONS or t.device.type != "cpu":
-                return f"weight {name} is a packed {t.fmt} {t.device.type} weight outside the four projections"
+                return f"weight {name} is a packed {fmt} {t.device.type} weight outside the four projections"
             if qdot.chosen_token(t) is not None:  # one variant runs every packed projection of the layer
                 reason = qdot.unsupported(t)
                 if reason is not None:
                     return f"weight {name}: the int8-activation qgemv kernels cannot take it ({reason})"
                 continue
-            if t.fmt not in ("int4", "int4_min"):
-                return (f"weight {name} is {t.fmt}: the fused kernel takes float and int4 / int4_min projections "
-                        "(and int8 ones with an int8-activation qgemv variant)")
+            if fmt not in ("int4", "int4_min"):
+                return (f"weight {name} is {fmt}: the fused kernel takes float and int4 / int4_min projections "
+                        "(and int8 and ggml block-format ones with an int8-activation qgemv variant)")
             if t.group_size < 32 or t.group_size & (t.group_size - 1):
                 return f"weight {name}: int4 group size {t.group_size} (the int4 GEMV takes powers of two >= 32)"
-        elif isinstance(t, StackedWeight):
-            return f"weight {name} holds row blocks in several packed formats ({[p.fmt for p in t.parts]})"
         elif not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()):
             return f"weight {name} is not a contiguous {dtype} CPU tensor (mixed dtypes)"
     return None
@@ -87,7 +86,7 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
 def _weight_view(w):
     """A projection as the kernel takes it: a float storage array, or a packed weight's arrays
     (:func:`tessera.backends.cpu.ops._qdot.weight_arrays`)."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, StackedWeight)):
         return qdot.weight_arrays(w)
     return storage_view(w.detach())
 
@@ -137,7 +136,8 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
                       and name.rsplit(".", 2)[-2] in _PROJECTIONS)
         # the token only when something is packed: choosing it compiles and self-checks the int8 kernels (~30 s
         # cold), which a float model never runs
-        packed = [t for name, t in w.items() if name.startswith("layers.") and isinstance(t, QuantizedWeight)]
+        packed = [t for name, t in w.items() if name.startswith("layers.")
+                  and isinstance(t, (QuantizedWeight, StackedWeight))]
         views = (views, largest, qdot.chosen_token(*packed) if packed else None)
     _remember(_VIEWS, model, (variant, identity, views))
     return views

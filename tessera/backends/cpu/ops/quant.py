@@ -83,17 +83,31 @@ def _ggml_rows(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
 
 
 def _ggml_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """float32 ``x @ W.T`` for a ggml block format: each weight row decoded once and dotted with every x row up to
-    :data:`GGML_GEMV_MAX_M` rows; above, tiles of :data:`TILE_N` rows de-quantized and run through BLAS."""
+    """float32 ``x @ W.T`` for a ggml block format up to :data:`GGML_GEMV_MAX_M` rows of x: int8 dot products on x
+    quantized per block of 32 (:mod:`._qdot_ggml`) where a ``qgemv`` variant with them runs, else each weight row
+    decoded once to float32 and dotted with every x row. Above, tiles of :data:`TILE_N` rows de-quantized and run
+    through a GEMM in the ``qgemm`` variant's precision (see :func:`_gemm_tiled`; the tile is de-quantized to float32,
+    then rounded to bf16 once)."""
     m, n = x.shape[0], qw.shape[0]
+    if m <= GGML_GEMV_MAX_M:
+        isa = qdot.chosen_token(qw)
+        if isa is not None:  # int8 dot products (the qgemv variant in force)
+            serial = m * n * qw.shape[1] < tuned("gemv_serial_work", None, SERIAL_WORK)
+            return qdot.qmatmul(x, qw, isa, serial)
     out = torch.empty(m, n, dtype=torch.float32)
     if m <= GGML_GEMV_MAX_M:
         ggml.gemv(x.numpy(), qw.data.numpy(), ggml.FMT_CODES[qw.fmt], out.numpy())
         return out
     tile_n = tuned("quant_tile_n", None, TILE_N)
+    low = variants.choose("qgemm").name != "fp32"  # as in _gemm_tiled: bf16 tiles through torch's bf16 GEMM
+    xb = x.to(torch.bfloat16) if low else None
     for lo in range(0, n, tile_n):
         hi = min(n, lo + tile_n)
-        np.matmul(x.numpy(), _ggml_rows(qw, lo, hi).numpy().T, out=out.numpy()[:, lo:hi])
+        tile = _ggml_rows(qw, lo, hi)
+        if low:
+            out[:, lo:hi] = torch.mm(xb, tile.to(torch.bfloat16).T)
+        else:
+            np.matmul(x.numpy(), tile.numpy().T, out=out.numpy()[:, lo:hi])
     return out
 
 

@@ -1,0 +1,288 @@
+"""Int8-activation GEMV rows for ggml's block formats kept whole: Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1.
+
+The activation is the one the group-32 kernels use (:func:`._qdot_kernels.quantize_rows`: int8 codes ``xq``, one
+scale ``xd`` per block of 32 values and the block's sum ``xs = xd * sum(xq)``), so a decode layer quantizes its input
+once whatever mix of formats its projections hold. Every 32 weights of these formats share one scale, or two for
+Q6_K, so each 32-value activation block meets one integer dot product (:mod:`._int8_simd`: ``VPDPBUSD`` or
+``VPMADDUBSW + VPMADDWD``) and one float FMA by ``weight scale * xd``:
+
+========  ===================================================================================================
+format    row of n's dot with activation row m (``b`` runs over the 32-value blocks, ``q`` the block's codes)
+========  ===================================================================================================
+q4_k/q5_k ``sum_b d * sc_b * xd_b * dot(q_b, xq_b) - dmin * m_b * xs_b`` (6-bit ``sc``, ``m`` per sub-block)
+q6_k      ``sum_b d * xd_b * (sc_2b * dot(q - 32, xq) over 16 values + sc_2b+1 * ... the next 16)``
+q5_0      ``sum_b d_b * xd_b * dot(q_b, xq_b) - 16 * d_b * xs_b``
+q5_1      ``sum_b d_b * xd_b * dot(q_b, xq_b) + m_b * xs_b``
+========  ===================================================================================================
+
+The integer parts are exact (a block's dot stays below 2^24), so the result is ``W_deq @ x_deq`` up to float32
+rounding, as for the group-32 formats. The codes are unpacked from the file's bytes in registers
+(:mod:`._ggml_simd`); the scales (a handful of bytes per 256 values) are decoded in scalar code that the out-of-order
+core overlaps with the vector work.
+
+Rows are computed one weight row at a time with every activation row before the next (the weight row stays in L1);
+a weight given as two row blocks in different formats (a Q4_K_M file's q|k|v, whose v is Q6_K) is one call:
+:func:`ggml_rows` takes both blocks and the row where the second starts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from tessera.backends.cpu.numba_math import FASTMATH
+from tessera.backends.cpu.ops._ggml_simd import fma_i32_halves, k_codes, load_f16, load_s8, q5_codes, q6k_codes
+from tessera.backends.cpu.ops._ggml_simd512 import (
+    dot_minus32_x2, fma_f32x8, fma_i32_lane, k_codes_x2, k_mins8, k_scales8, load_f32x8, mul_f32x8, mul_f32x16,
+    pair_lanes, pairs16, q6k_codes_x2, q6k_scales16, quad_lanes,
+)
+from tessera.backends.cpu.ops._int8_simd import (
+    add_f32x8, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32, prefetch,
+    sum_f32x8, zero_f32x8,
+)
+from tessera.backends.cpu.ops._int8_simd512 import (
+    add_f32x16, dot_codes_x2, fma_i32x16, is_wide, load_i8x64, sum_f32x16, zero_f32x16,
+)
+from tessera.backends.cpu.ops._qdot_kernels import BLOCK, ROWS
+
+#: format codes (as :data:`._ggml_kernels.FMT_CODES`)
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4
+#: bytes ahead of the block being dotted that a row asks for (see ``_qdot_wide.PREFETCH_BYTES``)
+PREFETCH_BYTES = 2048
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_row_narrow(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
+    """Row ``n`` of Q4_K (``five`` False) or Q5_K weights dotted with activation row ``m``, on 256-bit vectors."""
+    k = xq.shape[1]
+    size = 176 if five else 144
+    qs0 = 48 if five else 16
+    r = n * w.shape[1]
+    xo = m * k
+    do = m * xd.shape[1]
+    acc0 = zero_f32x8()
+    acc1 = zero_f32x8()
+    mins = zero_f32x8()
+    for blk in range(k // 256):
+        o = r + blk * size
+        prefetch(w, o + PREFETCH_BYTES)
+        b = do + blk * 8
+        # lane j: sub-block j's weight scale times its activation block's scale; its min times the block's sum
+        sx = mul_f32x8(mul_f32x8(k_scales8(w, o + 4), load_f16(w, o)), load_f32x8(xd, b))
+        mins = fma_f32x8(mul_f32x8(k_mins8(w, o + 4), load_f16(w, o + 2)), load_f32x8(xs, b), mins)
+        for c in range(4):
+            qs = o + qs0 + 32 * c
+            if five:
+                lo = k_codes(w, qs, o + 16, False, 1 << (2 * c))
+                hi = k_codes(w, qs, o + 16, True, 2 << (2 * c))
+            else:
+                lo = low_nibbles32(w, qs)
+                hi = high_nibbles32(w, qs)
+            x = xo + (blk * 8 + 2 * c) * BLOCK
+            acc0 = fma_i32_lane(dot_u8s8(isa, lo, load_i8x32(xq, x)), sx, 2 * c, acc0)
+            acc1 = fma_i32_lane(dot_u8s8(isa, hi, load_i8x32(xq, x + BLOCK)), sx, 2 * c + 1, acc1)
+    return sum_f32x8(add_f32x8(acc0, acc1)) - sum_f32x8(mins)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
+    """:func:`_k_row_narrow` on 512-bit vectors: a chunk's two sub-blocks (64 codes from 32 bytes) per
+    ``VPDPBUSD``, their two scales spread over the halves by one permute."""
+    k = xq.shape[1]
+    size = 176 if five else 144
+    qs0 = 48 if five else 16
+    r = n * w.shape[1]
+    xo = m * k
+    do = m * xd.shape[1]
+    acc0 = zero_f32x16()
+    acc1 = zero_f32x16()
+    mins = zero_f32x8()
+    for blk in range(k // 256):
+        o = r + blk * size
+        prefetch(w, o + PREFETCH_BYTES)
+        b = do + blk * 8
+        sx = mul_f32x8(mul_f32x8(k_scales8(w, o + 4), load_f16(w, o)), load_f32x8(xd, b))
+        mins = fma_f32x8(mul_f32x8(k_mins8(w, o + 4), load_f16(w, o + 2)), load_f32x8(xs, b), mins)
+        x = xo + blk * 256
+        qs = o + qs0
+        if five:
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs, o + 16, 0, True), load_i8x64(xq, x)),
+                              pair_lanes(sx, 0), acc0)
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 32, o + 16, 1, True), load_i8x64(xq, x + 64)),
+                              pair_lanes(sx, 2), acc1)
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 64, o + 16, 2, True), load_i8x64(xq, x + 128)),
+                              pair_lanes(sx, 4), acc0)
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 96, o + 16, 3, True), load_i8x64(xq, x + 192)),
+                              pair_lanes(sx, 6), acc1)
+        else:
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs, o, 0, False), load_i8x64(xq, x)),
+                              pair_lanes(sx, 0), acc0)
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 32, o, 1, False), load_i8x64(xq, x + 64)),
+                              pair_lanes(sx, 2), acc1)
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 64, o, 2, False), load_i8x64(xq, x + 128)),
+                              pair_lanes(sx, 4), acc0)
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 96, o, 3, False), load_i8x64(xq, x + 192)),
+                              pair_lanes(sx, 6), acc1)
+    return sum_f32x16(add_f32x16(acc0, acc1)) - sum_f32x8(mins)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_row(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
+    if is_wide(isa):
+        return _k_row_wide(isa, xq, xd, xs, m, w, n, five)
+    return _k_row_narrow(isa, xq, xd, xs, m, w, n, five)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _q6k_row_wide(isa, xq, xd, m, w, n):  # pragma: no cover - compiled
+    """:func:`_q6k_row_narrow` on 512-bit vectors: 64 codes (four 16-value sub-blocks) per dot product, the block's
+    sixteen scales decoded as one vector."""
+    k = xq.shape[1]
+    r = n * w.shape[1]
+    xo = m * k
+    do = m * xd.shape[1]
+    acc0 = zero_f32x16()
+    acc1 = zero_f32x16()
+    for blk in range(k // 256):
+        o = r + blk * 210
+        prefetch(w, o + PREFETCH_BYTES)
+        # lane i: 16-value sub-block i's scale times d times the scale of the activation block holding it
+        s16 = mul_f32x16(mul_f32x16(q6k_scales16(w, o + 192), load_f16(w, o + 208)),
+                         pairs16(load_f32x8(xd, do + blk * 8)))
+        x = xo + blk * 256
+        acc0 = fma_i32x16(dot_minus32_x2(isa, q6k_codes_x2(w, o, o + 128, False, 0), load_i8x64(xq, x)),
+                          quad_lanes(s16, 0), acc0)
+        acc1 = fma_i32x16(dot_minus32_x2(isa, q6k_codes_x2(w, o, o + 128, True, 4), load_i8x64(xq, x + 64)),
+                          quad_lanes(s16, 1), acc1)
+        acc0 = fma_i32x16(dot_minus32_x2(isa, q6k_codes_x2(w, o + 64, o + 160, False, 0), load_i8x64(xq, x + 128)),
+                          quad_lanes(s16, 2), acc0)
+        acc1 = fma_i32x16(dot_minus32_x2(isa, q6k_codes_x2(w, o + 64, o + 160, True, 4), load_i8x64(xq, x + 192)),
+                          quad_lanes(s16, 3), acc1)
+    return sum_f32x16(add_f32x16(acc0, acc1))
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _q6k_row(isa, xq, xd, m, w, n):  # pragma: no cover - compiled
+    if is_wide(isa):
+        return _q6k_row_wide(isa, xq, xd, m, w, n)
+    return _q6k_row_narrow(isa, xq, xd, m, w, n)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _q6k_row_narrow(isa, xq, xd, m, w, n):  # pragma: no cover - compiled
+    """Row ``n`` of Q6_K weights dotted with activation row ``m``, on 256-bit vectors."""
+    k = xq.shape[1]
+    r = n * w.shape[1]
+    xo = m * k
+    do = m * xd.shape[1]
+    acc0 = zero_f32x8()
+    acc1 = zero_f32x8()
+    for blk in range(k // 256):
+        o = r + blk * 210
+        prefetch(w, o + PREFETCH_BYTES)
+        d = load_f16(w, o + 208)
+        for h in range(2):  # two halves of 128 values: ql[64h:64h+64], qh[32h:32h+32], scales[8h:8h+8]
+            ql = o + 64 * h
+            qh = o + 128 + 32 * h
+            sc = o + 192 + 8 * h
+            b = blk * 8 + 4 * h
+            # chunk j (values 32j..32j+31 of the half): ql bytes 32 (j & 1) on, nibble j >> 1, qh bits 2j, 2j+1
+            d0 = d * load_f32(xd, do + b)
+            d1 = d * load_f32(xd, do + b + 1)
+            d2 = d * load_f32(xd, do + b + 2)
+            d3 = d * load_f32(xd, do + b + 3)
+            acc0 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql, qh, False, 0), load_i8x32(xq, xo + b * BLOCK)),
+                                  d0 * np.float32(load_s8(w, sc)), d0 * np.float32(load_s8(w, sc + 1)), acc0)
+            acc1 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql + 32, qh, False, 2),
+                                           load_i8x32(xq, xo + (b + 1) * BLOCK)),
+                                  d1 * np.float32(load_s8(w, sc + 2)), d1 * np.float32(load_s8(w, sc + 3)), acc1)
+            acc0 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql, qh, True, 4), load_i8x32(xq, xo + (b + 2) * BLOCK)),
+                                  d2 * np.float32(load_s8(w, sc + 4)), d2 * np.float32(load_s8(w, sc + 5)), acc0)
+            acc1 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql + 32, qh, True, 6),
+                                           load_i8x32(xq, xo + (b + 3) * BLOCK)),
+                                  d3 * np.float32(load_s8(w, sc + 6)), d3 * np.float32(load_s8(w, sc + 7)), acc1)
+    return sum_f32x8(add_f32x8(acc0, acc1))
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _q5_row(isa, xq, xd, xs, m, w, n, has_min):  # pragma: no cover - compiled
+    """Row ``n`` of Q5_0 (``has_min`` False) or Q5_1 weights dotted with activation row ``m``."""
+    k = xq.shape[1]
+    size = 24 if has_min else 22
+    qh0 = 4 if has_min else 2
+    r = n * w.shape[1]
+    xo = m * k
+    do = m * xd.shape[1]
+    acc0 = zero_f32x8()
+    acc1 = zero_f32x8()
+    offsets = np.float32(0.0)
+    nb = k // BLOCK
+    b = 0
+    while b + 1 < nb:
+        o = r + b * size
+        prefetch(w, o + PREFETCH_BYTES)
+        d0 = load_f16(w, o)
+        d1 = load_f16(w, o + size)
+        acc0 = fma_i32(dot_u8s8(isa, q5_codes(w, o + qh0 + 4, o + qh0), load_i8x32(xq, xo + b * BLOCK)),
+                       d0 * load_f32(xd, do + b), acc0)
+        acc1 = fma_i32(dot_u8s8(isa, q5_codes(w, o + size + qh0 + 4, o + size + qh0),
+                                load_i8x32(xq, xo + (b + 1) * BLOCK)), d1 * load_f32(xd, do + b + 1), acc1)
+        m0 = load_f16(w, o + 2) if has_min else np.float32(-16.0) * d0
+        m1 = load_f16(w, o + size + 2) if has_min else np.float32(-16.0) * d1
+        offsets += m0 * load_f32(xs, do + b) + m1 * load_f32(xs, do + b + 1)
+        b += 2
+    while b < nb:  # an odd block count (a loop, not an if: see _qdot_kernels._offset)
+        o = r + b * size
+        d0 = load_f16(w, o)
+        acc0 = fma_i32(dot_u8s8(isa, q5_codes(w, o + qh0 + 4, o + qh0), load_i8x32(xq, xo + b * BLOCK)),
+                       d0 * load_f32(xd, do + b), acc0)
+        m0 = load_f16(w, o + 2) if has_min else np.float32(-16.0) * d0
+        offsets += m0 * load_f32(xs, do + b)
+        b += 1
+    return sum_f32x8(add_f32x8(acc0, acc1)) + offsets
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _block_rows(isa, xq, xd, xs, w, fmt, out, lo, hi, at):  # pragma: no cover - compiled
+    """``out[:, at + i]`` for rows ``lo <= i < hi`` of one block of rows ``w`` in format ``fmt``. The format is
+    chosen once here, outside the row loops (see ``_qdot_kernels._offset`` for why branches inside cost)."""
+    m_rows = xq.shape[0]
+    if fmt == Q4_K or fmt == Q5_K:
+        five = fmt == Q5_K
+        for n in range(lo, hi):
+            for m in range(m_rows):
+                out[m, at + n] = _k_row(isa, xq, xd, xs, m, w, n, five)
+    elif fmt == Q6_K:
+        for n in range(lo, hi):
+            for m in range(m_rows):
+                out[m, at + n] = _q6k_row(isa, xq, xd, m, w, n)
+    else:
+        has_min = fmt == Q5_1
+        for n in range(lo, hi):
+            for m in range(m_rows):
+                out[m, at + n] = _q5_row(isa, xq, xd, xs, m, w, n, has_min)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, lo, hi):  # pragma: no cover - compiled
+    """Columns ``lo .. hi - 1`` of ``out [M, N]`` for a weight whose rows ``< split`` are ``w0`` (uint8
+    ``[split, row bytes]``, format ``fmt0``) and the rest ``w1`` (format ``fmt1``; pass ``w0`` and ``split = N`` for a
+    weight of one format). ``xq, xd, xs`` from :func:`._qdot_kernels.quantize_rows`."""
+    if lo < split:
+        _block_rows(isa, xq, xd, xs, w0, fmt0, out, lo, min(hi, split), 0)
+    if hi > split:
+        _block_rows(isa, xq, xd, xs, w1, fmt1, out, max(lo, split) - split, hi - split, split)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gemv_ggml(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out):  # pragma: no cover - compiled
+    """:func:`ggml_rows` over all ``out.shape[1]`` rows, split over threads in blocks of :data:`ROWS`."""
+    n_rows = out.shape[1]
+    for blk in prange((n_rows + ROWS - 1) // ROWS):
+        ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def gemv_ggml_serial(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out):  # pragma: no cover - compiled
+    """:func:`gemv_ggml` on the calling thread."""
+    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, 0, out.shape[1])
