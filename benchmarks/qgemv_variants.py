@@ -6,10 +6,15 @@ Shapes: SmolLM2-135M's projections (cache-resident) and a 4096 x 4096 matrix who
 the last-level cache (streamed from DRAM), each at M = 1 and, with ``--rows``, more rows of x. Interleaved rounds
 (every variant and the baseline once per round), minimum and median over rounds.
 
+GGUF's block formats (``--formats q4_k,q6_k``, also q5_k, q5_0, q5_1) are quantized with Tessera's K-quant writer
+(gguf-py's quantizer for Q5_0 / Q5_1) and timed on the shapes whose K they divide, plus TinyLlama-1.1B's gate and
+down projections (5632 x 2048, 2048 x 5632; streamed).
+
 Usage::
 
     python benchmarks/qgemv_variants.py                 # ~1 minute on 2 cores
     python benchmarks/qgemv_variants.py --rows 1,8,32 --json out.json
+    python benchmarks/qgemv_variants.py --formats q4_k,q6_k
 """
 
 from __future__ import annotations
@@ -38,14 +43,32 @@ from tessera.kernels import quant
 
 SHAPES = [("smollm2 gate_up", 3072, 576, False), ("smollm2 down", 576, 1536, False),
           ("smollm2 qkv", 960, 576, False), ("4096 x 4096 (DRAM)", 4096, 4096, True)]
+#: TinyLlama-1.1B's gate and down projections: where a 1B-class K-quant file spends most of a token
+SHAPES_1B = [("1b gate (DRAM)", 5632, 2048, True), ("1b down (DRAM)", 2048, 5632, True)]
 FORMATS = [("int4", 32), ("int4_min", 32), ("int8", 32)]
+GGML_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
+
+
+def _packed(w: torch.Tensor, fmt: str, group: int) -> quant.QuantizedWeight:
+    """``w`` packed in ``fmt``: Tessera's quantizer, or the bytes a GGUF file would hold for ggml's formats."""
+    if fmt not in GGML_FORMATS:
+        return quant.quantize(w, fmt, group)
+    import gguf
+    import numpy as np
+
+    from tessera.kernels.ggml_quantize import quantize_rows
+
+    values = w.numpy().astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    blocks = quantize_rows(values, fmt) if fmt.endswith("_k") else gguf.quants.quantize(values, qtype)
+    return quant.from_gguf(blocks, qtype, tuple(w.shape))
 
 
 def _copies(qw: quant.QuantizedWeight, stream: bool) -> list[quant.QuantizedWeight]:
     if not stream:
         return [qw]
     clone = lambda t: None if t is None else t.clone()  # noqa: E731
-    return [qw] + [dataclasses.replace(qw, data=qw.data.clone(), scales=qw.scales.clone(), zeros=clone(qw.zeros),
+    return [qw] + [dataclasses.replace(qw, data=qw.data.clone(), scales=clone(qw.scales), zeros=clone(qw.zeros),
                                        mins=clone(qw.mins)) for _ in range(copies_for(qw.nbytes, most=128) - 1)]
 
 
@@ -55,7 +78,7 @@ def _runner(variant: str, x: torch.Tensor, weights, serial: bool):
         def portable():
             os.environ["TESSERA_CPU_VARIANTS"] = "qgemv=portable"
             try:
-                return cpu_quant._gemv(x, weights())
+                return cpu_quant.qmatmul(x, weights())
             finally:
                 del os.environ["TESSERA_CPU_VARIANTS"]
         return portable
@@ -78,16 +101,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1", help="comma-separated rows of x (default 1)")
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--formats", default="int4,int4_min,int8",
+                    help=f"comma-separated, of int4, int4_min, int8 (group 32) and {', '.join(GGML_FORMATS)}")
     ap.add_argument("--json", help="default benchmarks/results/qgemv-variants-<date>.json")
     args = ap.parse_args()
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in dict(FORMATS) and f not in GGML_FORMATS]
+    if unknown:
+        ap.error(f"unknown format(s) {unknown}; choose from {[f for f, _ in FORMATS] + list(GGML_FORMATS)}")
     names = variants.available("qgemv")
     threads = numba.get_num_threads()
     results = []
-    for label, n, k, stream in SHAPES:
+    shapes = SHAPES + (SHAPES_1B if any(f in GGML_FORMATS for f in formats) else [])
+    for label, n, k, stream in shapes:
         w = torch.randn(n, k) * 0.02
         fp32 = rotating([w] + [w.clone() for _ in range(copies_for(w.numel() * 4) - 1)] if stream else [w])
-        for fmt, group in FORMATS:
-            weights = rotating(_copies(quant.quantize(w, fmt, group), stream))
+        for fmt in formats:
+            group = 256 if fmt.endswith("_k") else 32
+            if k % group:
+                continue  # a K-quant needs whole blocks of 256 along K
+            weights = rotating(_copies(_packed(w, fmt, group), stream))
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k)
                 for serial in (True, False):
@@ -109,7 +142,8 @@ def main() -> None:
         table.add_column(col, justify="left" if col in ("shape", "format") else "right")
     for r in results:
         ms = r["ms"]
-        table.add_row(r["shape"], f"{r['format']}/g{r['group']}", str(r["m"]), str(r["threads"]),
+        label = r["format"] if r["format"] in GGML_FORMATS else f"{r['format']}/g{r['group']}"
+        table.add_row(r["shape"], label, str(r["m"]), str(r["threads"]),
                       *(f"{ms[v]:.3f}" for v in names), f"{ms['torch fp32']:.3f}",
                       f"{ms[names[0]] / ms['portable']:.2f}x", f"{ms[names[0]] / ms['torch fp32']:.2f}x")
     console = Console(width=200)

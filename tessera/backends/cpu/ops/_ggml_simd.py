@@ -1,5 +1,6 @@
-"""Explicit SIMD for ggml's block formats (:mod:`tessera.kernels.ggml_blocks`): their weight codes unpacked into
-``i8x32`` vectors for the int8 dot products of :mod:`._int8_simd`, and the few vector steps their scales need.
+"""Explicit 256-bit SIMD for ggml's block formats (:mod:`tessera.kernels.ggml_blocks`): their weight codes unpacked
+into ``i8x32`` vectors for the int8 dot products of :mod:`._int8_simd`, and a block's float16 ``d`` read from its bytes
+(:func:`load_f16`). The scale vectors and the 512-bit forms are in :mod:`._ggml_simd512`.
 
 Each function unpacks 32 codes of one block straight from the file's bytes, in the order of the 32 activation values
 they multiply, so one ``dot_u8s8`` / ``dot_s8s8`` covers them:
@@ -21,16 +22,14 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from tessera.backends.cpu.ops._int8_simd import (
-    _byte_pointer, _check_bytes, _fn, _load, _mask, _splat, f32x8, i8x32, i32x8,
+    _byte_pointer, _check_bytes, _load, _mask, _splat, i8x32,
 )
 
-_I1 = ir.IntType(1)
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
 _V8x32 = ir.VectorType(_I8, 32)
 _V8x16 = ir.VectorType(_I8, 16)
 _V8x4 = ir.VectorType(_I8, 4)
-_VF8 = ir.VectorType(ir.FloatType(), 8)
 
 
 def _check_offsets(what: str, *offsets) -> None:
@@ -122,25 +121,6 @@ def q6k_codes(typingctx, arr, ql, qh, high, shift):
 
 
 @intrinsic
-def fma_i32_halves(typingctx, d, lo, hi, acc):
-    """``acc + float(d) * [lo x 4, hi x 4]`` lane by lane (``f32x8``): a Q6_K chunk's 32 values are two sub-blocks
-    of 16, each four int32 lanes of the dot product with its own scale."""
-    if d != i32x8 or acc != f32x8 or not all(isinstance(s, (types.Float, types.Integer)) for s in (lo, hi)):
-        raise TypingError(f"fma_i32_halves: expected ({i32x8}, two floats, {f32x8}), got ({d}, {lo}, {hi}, {acc})")
-
-    def codegen(context, builder, signature, args):
-        a = context.cast(builder, args[1], signature.args[1], types.float32)
-        b = context.cast(builder, args[2], signature.args[2], types.float32)
-        pair = builder.insert_element(ir.Constant(_VF8, ir.Undefined), a, ir.Constant(_I32, 0))
-        pair = builder.insert_element(pair, b, ir.Constant(_I32, 1))
-        scale = builder.shuffle_vector(pair, pair, _mask([0] * 4 + [1] * 4))
-        fma = _fn(builder, "llvm.fma.v8f32", _VF8, [_VF8] * 3)
-        return builder.call(fma, [builder.sitofp(args[0], _VF8), scale, args[3]])
-
-    return f32x8(d, lo, hi, acc), codegen
-
-
-@intrinsic
 def load_f16(typingctx, arr, index):
     """The IEEE half at byte offset ``index`` of a C-contiguous uint8 array, widened to float32 (a block's ``d``)."""
     _check_bytes(arr, "load_f16")
@@ -152,30 +132,3 @@ def load_f16(typingctx, arr, index):
         return builder.fpext(half, ir.FloatType())
 
     return types.float32(arr, index), codegen
-
-
-@intrinsic
-def load_u8(typingctx, arr, index):
-    """Byte ``index`` (flat offset) of a C-contiguous uint8 array as int64, without the negative-index wraparound
-    ``arr[n, j]`` carries."""
-    _check_bytes(arr, "load_u8")
-    _check_offsets("load_u8", index)
-
-    def codegen(context, builder, signature, args):
-        ptr = _byte_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        return builder.zext(builder.load(ptr), ir.IntType(64))
-
-    return types.int64(arr, index), codegen
-
-
-@intrinsic
-def load_s8(typingctx, arr, index):
-    """Byte ``index`` (flat offset) of a C-contiguous uint8 array read as a signed int8, as int64 (Q6_K's scales)."""
-    _check_bytes(arr, "load_s8")
-    _check_offsets("load_s8", index)
-
-    def codegen(context, builder, signature, args):
-        ptr = _byte_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        return builder.sext(builder.load(ptr), ir.IntType(64))
-
-    return types.int64(arr, index), codegen

@@ -10,8 +10,10 @@ of that vector.
 
 Vectors are :mod:`._int8_simd`'s and :mod:`._int8_simd512`'s types. ``f32x8`` lane ``j`` of a K-quant block's scale
 vector belongs to its 32-value sub-block ``j``; a Q6_K block's ``f32x16`` lane ``i`` to its 16-value sub-block ``i``.
-The 512-bit functions are used by the ``vnni512`` kernels only (see :mod:`._int8_simd512` for why a CPU without
-AVX-512 never executes them).
+The scale vectors, and the lane picks of the 256-bit rows (:func:`fma_i32_lane`, :func:`fma_i32_halves_of`), are
+portable IR that LLVM lowers for AVX2 too (a 16-lane vector as two ymm). The 512-bit codes, dot products and permutes
+(:func:`q4k_codes_x16`, :func:`q5k_codes_x2`, :func:`q6k_codes_x2`, :func:`dot_minus32_x2`, :func:`pair_lanes`, :func:`quad_lanes`) are used by
+the ``vnni512`` kernels only (see :mod:`._int8_simd512` for why a CPU without AVX-512 never executes them).
 """
 
 from __future__ import annotations
@@ -157,6 +159,17 @@ def fma_f32x8(typingctx, a, b, acc):
 
 
 @intrinsic
+def odd_sixteenths(typingctx):
+    """``f32x8`` ``[1, 1/16, 1, 1/16, ...]``: the factor of a Q4_K block's scale vector under
+    :func:`q4k_codes_x16`."""
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_VF8, [1.0, 1.0 / 16] * 4)
+
+    return f32x8(), codegen
+
+
+@intrinsic
 def fma_i32_lane(typingctx, d, scales, j, acc):
     """``acc + float(d) * scales[j]`` (``f32x8``; ``scales[j]`` broadcast): a 32-value sub-block's dot product times
     its lane of the block's scale vector."""
@@ -171,6 +184,30 @@ def fma_i32_lane(typingctx, d, scales, j, acc):
         return builder.call(fma, [builder.sitofp(args[0], _VF8), scale, args[3]])
 
     return f32x8(d, scales, j, acc), codegen
+
+
+@intrinsic
+def fma_i32_halves_of(typingctx, d, scales, i, acc):
+    """``acc + float(d) * [scales[2i] x 4, scales[2i + 1] x 4]`` (``f32x8``): a Q6_K chunk of 32 values is two
+    16-value sub-blocks, four int32 lanes of the dot product each, with lanes ``2i`` and ``2i + 1`` of the block's
+    scale vector."""
+    if (d, scales, acc) != (i32x8, f32x16, f32x8):
+        raise TypingError(f"fma_i32_halves_of: expected ({i32x8}, {f32x16}, int, {f32x8}), got "
+                          f"({d}, {scales}, {i}, {acc})")
+    _int_arg("fma_i32_halves_of", i)
+
+    def codegen(context, builder, signature, args):
+        lane = builder.trunc(_i64(context, builder, args[2], signature.args[2]), _I32)
+        lane = builder.add(lane, lane)
+        a = builder.extract_element(args[1], lane)
+        b = builder.extract_element(args[1], builder.add(lane, ir.Constant(_I32, 1)))
+        pair = builder.insert_element(ir.Constant(_VF8, ir.Undefined), a, ir.Constant(_I32, 0))
+        pair = builder.insert_element(pair, b, ir.Constant(_I32, 1))
+        scale = builder.shuffle_vector(pair, pair, _mask([0] * 4 + [1] * 4))
+        fma = _fn(builder, "llvm.fma.v8f32", _VF8, [_VF8] * 3)
+        return builder.call(fma, [builder.sitofp(args[0], _VF8), scale, args[3]])
+
+    return f32x8(d, scales, i, acc), codegen
 
 
 @intrinsic
@@ -243,15 +280,12 @@ def _bit16(builder, vec, bit):
 
 
 @intrinsic
-def k_codes_x2(typingctx, arr, qs, qh, c, five):
-    """``i8x64``: the 64 codes of chunk ``c`` (0..3) of a Q4_K / Q5_K block: the low nibbles of the 32 bytes at
-    ``qs`` (sub-block ``2c``), then their high nibbles (``2c + 1``), with Q5_K's 5th bits (``five``) from bits ``2c``
-    and ``2c + 1`` of the 32 bytes at ``qh``."""
-    _check_bytes(arr, "k_codes_x2")
-    _int_arg("k_codes_x2", qs, qh, c)
-    if not isinstance(five, types.BooleanLiteral):
-        raise TypingError(f"k_codes_x2: 'five' must be a literal bool (a compile-time choice), got {five}")
-    with_bits = five.literal_value
+def q5k_codes_x2(typingctx, arr, qs, qh, c):
+    """``i8x64``: the 64 codes (0..31) of chunk ``c`` (0..3) of a Q5_K block: the low nibbles of the 32 bytes at
+    ``qs`` (sub-block ``2c``), then their high nibbles (``2c + 1``), with the 5th bits from bits ``2c`` and ``2c + 1``
+    of the 32 bytes at ``qh``."""
+    _check_bytes(arr, "q5k_codes_x2")
+    _int_arg("q5k_codes_x2", qs, qh, c)
 
     def codegen(context, builder, signature, args):
         sig = signature.args
@@ -259,8 +293,6 @@ def k_codes_x2(typingctx, arr, qs, qh, c, five):
         lo = builder.and_(raw, _splat(15, _V8x32))
         hi = builder.lshr(raw, _splat(4, _V8x32))
         codes = builder.shuffle_vector(lo, hi, _mask(range(64)))
-        if not with_bits:
-            return codes
         hbits = _load(builder, _ptr(context, builder, sig, args, 0, 2), _V8x32)
         both = builder.shuffle_vector(hbits, hbits, _mask(list(range(32)) * 2))
         chunk = builder.trunc(_i64(context, builder, args[3], sig[3]), _I8)
@@ -272,7 +304,25 @@ def k_codes_x2(typingctx, arr, qs, qh, c, five):
                                       _mask(range(64)))
         return builder.or_(codes, _bit16(builder, both, mask))
 
-    return i8x64(arr, qs, qh, c, five), codegen
+    return i8x64(arr, qs, qh, c), codegen
+
+
+@intrinsic
+def q4k_codes_x16(typingctx, arr, qs):
+    """``i8x64``: the 32 bytes at ``qs`` in both halves, masked: the low nibbles (sub-block ``2c`` of a Q4_K chunk,
+    codes 0..15) in lanes 0-31 and the high nibbles *left in place* (sub-block ``2c + 1``, codes times 16) in lanes
+    32-63. Two instructions (a broadcast load, an AND) where shifting the high nibbles down and joining the halves
+    took four; the caller scales sub-block ``2c + 1`` by 1/16 instead (exact: a power of two), and the unsigned
+    products stay exact in the dot product's int32 lanes (``4 * 240 * 127``)."""
+    _check_bytes(arr, "q4k_codes_x16")
+    _int_arg("q4k_codes_x16", qs)
+
+    def codegen(context, builder, signature, args):
+        raw = _load(builder, _ptr(context, builder, signature.args, args, 0, 1), _V8x32)
+        both = builder.shuffle_vector(raw, raw, _mask(list(range(32)) * 2))
+        return builder.and_(both, ir.Constant(_V8x64, [15] * 32 + [240] * 32))
+
+    return i8x64(arr, qs), codegen
 
 
 @intrinsic

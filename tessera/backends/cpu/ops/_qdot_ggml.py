@@ -17,8 +17,13 @@ q5_1      ``sum_b d_b * xd_b * dot(q_b, xq_b) + m_b * xs_b``
 
 The integer parts are exact (a block's dot stays below 2^24), so the result is ``W_deq @ x_deq`` up to float32
 rounding, as for the group-32 formats. The codes are unpacked from the file's bytes in registers
-(:mod:`._ggml_simd`); the scales (a handful of bytes per 256 values) are decoded in scalar code that the out-of-order
-core overlaps with the vector work.
+(:mod:`._ggml_simd`, :mod:`._ggml_simd512`); a K-quant block's scales are decoded as one vector and multiplied by the
+block's eight activation scales at once, so each dot product needs only a lane broadcast or permute of it.
+
+Two forms, chosen at compile time by the ISA token as in :mod:`._qdot_kernels`: 256-bit rows (one 32-value piece per
+dot product; ``avx2`` and ``vnni``) and, for ``vnni512``, 512-bit rows of the K-quants (64 values per dot product).
+Q5_0 / Q5_1 have the 256-bit rows only. Measured on Zen 4 (2026-12-04, 5632 x 2048, M = 1, one thread, in cache,
+``python benchmarks/qgemv_variants.py --formats q4_k,q6_k``): see ``docs/kernels/quant.md``.
 
 Rows are computed one weight row at a time with every activation row before the next (the weight row stays in L1);
 a weight given as two row blocks in different formats (a Q4_K_M file's q|k|v, whose v is Q6_K) is one call:
@@ -31,10 +36,10 @@ import numpy as np
 from numba import njit, prange
 
 from tessera.backends.cpu.numba_math import FASTMATH
-from tessera.backends.cpu.ops._ggml_simd import fma_i32_halves, k_codes, load_f16, load_s8, q5_codes, q6k_codes
+from tessera.backends.cpu.ops._ggml_simd import k_codes, load_f16, q5_codes, q6k_codes
 from tessera.backends.cpu.ops._ggml_simd512 import (
-    dot_minus32_x2, fma_f32x8, fma_i32_lane, k_codes_x2, k_mins8, k_scales8, load_f32x8, mul_f32x8, mul_f32x16,
-    pair_lanes, pairs16, q6k_codes_x2, q6k_scales16, quad_lanes,
+    dot_minus32_x2, fma_f32x8, fma_i32_halves_of, fma_i32_lane, k_mins8, k_scales8, load_f32x8, mul_f32x8, mul_f32x16,
+    odd_sixteenths, pair_lanes, pairs16, q4k_codes_x16, q5k_codes_x2, q6k_codes_x2, q6k_scales16, quad_lanes,
 )
 from tessera.backends.cpu.ops._int8_simd import (
     add_f32x8, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32, prefetch,
@@ -106,22 +111,22 @@ def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
         x = xo + blk * 256
         qs = o + qs0
         if five:
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs, o + 16, 0, True), load_i8x64(xq, x)),
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs, o + 16, 0), load_i8x64(xq, x)),
                               pair_lanes(sx, 0), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 32, o + 16, 1, True), load_i8x64(xq, x + 64)),
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 32, o + 16, 1), load_i8x64(xq, x + 64)),
                               pair_lanes(sx, 2), acc1)
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 64, o + 16, 2, True), load_i8x64(xq, x + 128)),
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 64, o + 16, 2), load_i8x64(xq, x + 128)),
                               pair_lanes(sx, 4), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 96, o + 16, 3, True), load_i8x64(xq, x + 192)),
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 96, o + 16, 3), load_i8x64(xq, x + 192)),
                               pair_lanes(sx, 6), acc1)
-        else:
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs, o, 0, False), load_i8x64(xq, x)),
-                              pair_lanes(sx, 0), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 32, o, 1, False), load_i8x64(xq, x + 64)),
+        else:  # Q4_K: the high nibbles stay in place (codes times 16), so their sub-blocks' scales take 1/16
+            sx = mul_f32x8(sx, odd_sixteenths())
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs), load_i8x64(xq, x)), pair_lanes(sx, 0), acc0)
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 32), load_i8x64(xq, x + 64)),
                               pair_lanes(sx, 2), acc1)
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 64, o, 2, False), load_i8x64(xq, x + 128)),
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 64), load_i8x64(xq, x + 128)),
                               pair_lanes(sx, 4), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, k_codes_x2(w, qs + 96, o, 3, False), load_i8x64(xq, x + 192)),
+            acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 96), load_i8x64(xq, x + 192)),
                               pair_lanes(sx, 6), acc1)
     return sum_f32x16(add_f32x16(acc0, acc1)) - sum_f32x8(mins)
 
@@ -170,7 +175,8 @@ def _q6k_row(isa, xq, xd, m, w, n):  # pragma: no cover - compiled
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _q6k_row_narrow(isa, xq, xd, m, w, n):  # pragma: no cover - compiled
-    """Row ``n`` of Q6_K weights dotted with activation row ``m``, on 256-bit vectors."""
+    """Row ``n`` of Q6_K weights dotted with activation row ``m``, on 256-bit vectors; the block's sixteen scales
+    decoded as one vector, as in :func:`_q6k_row_wide`."""
     k = xq.shape[1]
     r = n * w.shape[1]
     xo = m * k
@@ -180,27 +186,23 @@ def _q6k_row_narrow(isa, xq, xd, m, w, n):  # pragma: no cover - compiled
     for blk in range(k // 256):
         o = r + blk * 210
         prefetch(w, o + PREFETCH_BYTES)
-        d = load_f16(w, o + 208)
-        for h in range(2):  # two halves of 128 values: ql[64h:64h+64], qh[32h:32h+32], scales[8h:8h+8]
+        s16 = mul_f32x16(mul_f32x16(q6k_scales16(w, o + 192), load_f16(w, o + 208)),
+                         pairs16(load_f32x8(xd, do + blk * 8)))
+        x = xo + blk * 256
+        # two halves of 128 values (ql 64 bytes, qh 32 bytes each); chunk j of a half (values 32j .. 32j + 31):
+        # ql bytes from 32 (j & 1), nibble j >> 1, qh bits 2j and 2j + 1; its scales are lanes 8h + 2j, + 1
+        for h in range(2):
             ql = o + 64 * h
             qh = o + 128 + 32 * h
-            sc = o + 192 + 8 * h
-            b = blk * 8 + 4 * h
-            # chunk j (values 32j..32j+31 of the half): ql bytes 32 (j & 1) on, nibble j >> 1, qh bits 2j, 2j+1
-            d0 = d * load_f32(xd, do + b)
-            d1 = d * load_f32(xd, do + b + 1)
-            d2 = d * load_f32(xd, do + b + 2)
-            d3 = d * load_f32(xd, do + b + 3)
-            acc0 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql, qh, False, 0), load_i8x32(xq, xo + b * BLOCK)),
-                                  d0 * np.float32(load_s8(w, sc)), d0 * np.float32(load_s8(w, sc + 1)), acc0)
-            acc1 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql + 32, qh, False, 2),
-                                           load_i8x32(xq, xo + (b + 1) * BLOCK)),
-                                  d1 * np.float32(load_s8(w, sc + 2)), d1 * np.float32(load_s8(w, sc + 3)), acc1)
-            acc0 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql, qh, True, 4), load_i8x32(xq, xo + (b + 2) * BLOCK)),
-                                  d2 * np.float32(load_s8(w, sc + 4)), d2 * np.float32(load_s8(w, sc + 5)), acc0)
-            acc1 = fma_i32_halves(dot_s8s8(isa, q6k_codes(w, ql + 32, qh, True, 6),
-                                           load_i8x32(xq, xo + (b + 3) * BLOCK)),
-                                  d3 * np.float32(load_s8(w, sc + 6)), d3 * np.float32(load_s8(w, sc + 7)), acc1)
+            xh = x + 128 * h
+            acc0 = fma_i32_halves_of(dot_s8s8(isa, q6k_codes(w, ql, qh, False, 0), load_i8x32(xq, xh)),
+                                     s16, 4 * h, acc0)
+            acc1 = fma_i32_halves_of(dot_s8s8(isa, q6k_codes(w, ql + 32, qh, False, 2), load_i8x32(xq, xh + 32)),
+                                     s16, 4 * h + 1, acc1)
+            acc0 = fma_i32_halves_of(dot_s8s8(isa, q6k_codes(w, ql, qh, True, 4), load_i8x32(xq, xh + 64)),
+                                     s16, 4 * h + 2, acc0)
+            acc1 = fma_i32_halves_of(dot_s8s8(isa, q6k_codes(w, ql + 32, qh, True, 6), load_i8x32(xq, xh + 96)),
+                                     s16, 4 * h + 3, acc1)
     return sum_f32x8(add_f32x8(acc0, acc1))
 
 
