@@ -3,7 +3,8 @@ streaming (every layer in turn, as a token reads them), on one worker and on all
 
 It decodes a few tokens of the default model (SmolLM2-135M Q4_1, packed) through the engine, records the arguments
 of each ``decoder_layer_kernel`` call of the last step, then times the kernel alone on them. What it separates: the
-kernel's compute rate (hot), what the memory system adds (streaming), and what a second core buys in each.
+kernel's compute rate (hot), what the memory system adds (streaming), and what a second core buys in each; for
+packed models also the layer's four GEMVs run alone on the same weights, so what the layer's other phases cost shows.
 
 Usage::
 
@@ -54,6 +55,55 @@ def _per_call_ms(calls: list[tuple], rounds: int) -> float:
     return 1e3 * (time.perf_counter() - start) / (rounds * len(calls))
 
 
+def _gemvs_alone_ms(call: tuple, workers: int, rounds: int) -> float | None:
+    """The layer's four projections alone (the same row kernels the fused layer calls, on its weights, one x row,
+    hot), on one thread or all: what the layer costs beyond them is its other phases and their hand-offs. None when
+    a projection is not packed for the int8-activation kernels."""
+    from tessera.backends.cpu.ops import _qdot_ggml, _qdot_kernels
+
+    weights, isa = call[2], call[12]
+    if isa is None:
+        return None
+    runs = []
+    for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w):
+        if not isinstance(w, tuple):
+            return None
+        ggml = len(w) == 5 and w[1].dtype == np.uint8  # ggml blocks (w0, w1, fmt0, fmt1, split); else int4 / int8
+        k = _qdot_ggml_k(w) if ggml else w[0].shape[1] * (2 if len(w) == 5 else 1)
+        xq, xd, xs = _qdot_kernels.quantize_activations(np.random.default_rng(0).standard_normal((1, k), np.float32))
+        if ggml:
+            out = np.empty((1, w[4] + w[1].shape[0]), np.float32)
+            kernel = _qdot_ggml.gemv_ggml if workers > 1 else _qdot_ggml.gemv_ggml_serial
+            runs.append(lambda kernel=kernel, w=w, out=out, a=(xq, xd, xs): kernel(isa, *a, *w, out))
+        elif len(w) == 5:
+            out = np.empty((1, w[0].shape[0]), np.float32)
+            kernel = _qdot_kernels.gemv_int4 if workers > 1 else _qdot_kernels.gemv_int4_serial
+            runs.append(lambda kernel=kernel, w=w, out=out, a=(xq, xd, xs): kernel(isa, *a, *w, out))
+        else:
+            out = np.empty((1, w[0].shape[0]), np.float32)
+            kernel = _qdot_kernels.gemv_int8 if workers > 1 else _qdot_kernels.gemv_int8_serial
+            runs.append(lambda kernel=kernel, w=w, out=out, a=(xq, xd): kernel(isa, *a, *w, out))
+    threads = numba.get_num_threads()
+    numba.set_num_threads(workers)
+    try:
+        for run in runs:
+            run()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for run in runs:
+                run()
+        return 1e3 * (time.perf_counter() - start) / rounds
+    finally:
+        numba.set_num_threads(threads)
+
+
+def _qdot_ggml_k(w: tuple) -> int:
+    """K of a ggml block-format projection from its row bytes and format code."""
+    from tessera.backends.cpu.ops._ggml_kernels import _BYTES, _VALUES
+
+    return w[0].shape[1] // _BYTES[w[2]] * _VALUES[w[2]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=300, help="timed calls of the hot case (streaming: a tenth)")
@@ -67,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         with_workers = [c[:-1] + (workers,) for c in calls]  # n_workers is the kernel's last argument
         hot = _per_call_ms(with_workers[:1], args.rounds)
         streaming = _per_call_ms(with_workers, max(1, args.rounds // 10))
-        print(f"{workers} worker(s): hot {hot:.3f} ms per layer, streaming {streaming:.3f} ms per layer")
+        alone = _gemvs_alone_ms(with_workers[0], workers, args.rounds)
+        gemvs = "" if alone is None else f"; its four GEMVs alone, hot: {alone:.3f} ms"
+        print(f"{workers} worker(s): hot {hot:.3f} ms per layer, streaming {streaming:.3f} ms per layer{gemvs}")
     return 0
 
 
