@@ -9,11 +9,13 @@ eight 32-value pieces at once, each dot product then needs only a lane broadcast
 of that vector.
 
 Vectors are :mod:`._int8_simd`'s and :mod:`._int8_simd512`'s types. ``f32x8`` lane ``j`` of a K-quant block's scale
-vector belongs to its 32-value sub-block ``j``; a Q6_K block's ``f32x16`` lane ``i`` to its 16-value sub-block ``i``.
-The scale vectors, and the lane picks of the 256-bit rows (:func:`fma_i32_lane`, :func:`fma_i32_halves_of`), are
-portable IR that LLVM lowers for AVX2 too (a 16-lane vector as two ymm). The 512-bit codes, dot products and permutes
-(:func:`q4k_codes_x16`, :func:`q5k_codes_x2`, :func:`q6k_codes_x2`, :func:`dot_minus32_x2`, :func:`pair_lanes`, :func:`quad_lanes`) are used by
-the ``vnni512`` kernels only (see :mod:`._int8_simd512` for why a CPU without AVX-512 never executes them).
+vector (:func:`k_scales8`) belongs to its 32-value sub-block ``j``; the 512-bit rows decode scales and mins as one
+``f32x16`` (:func:`k_scales_mins16`: lanes 0-7 scales, 8-15 mins); a Q6_K block's ``f32x16`` lane ``i`` belongs to its
+16-value sub-block ``i``. The scale vectors, and the lane picks of the 256-bit rows (:func:`fma_i32_lane`,
+:func:`fma_i32_halves_of`), are portable IR that LLVM lowers for AVX2 too (a 16-lane vector as two ymm). The 512-bit
+codes, dot products and permutes (:func:`q4k_codes_x16`, :func:`q5k_codes_x2`, :func:`q6k_codes_x2`,
+:func:`dot_minus32_x2`, :func:`pair_lanes16`, :func:`quad_lanes`) are used by the ``vnni512`` kernels only (see
+:mod:`._int8_simd512` for why a CPU without AVX-512 never executes them).
 """
 
 from __future__ import annotations
@@ -104,6 +106,98 @@ k_mins8.__doc__ = "``f32x8``: the eight 6-bit sub-block mins of the Q4_K / Q5_K 
 
 
 @intrinsic
+def k_scales_mins16(typingctx, arr, index):
+    """``f32x16``: a Q4_K / Q5_K block's eight 6-bit sub-block scales (lanes 0-7) and eight mins (8-15), from its 12
+    scale bytes at ``index``: both decoded in one 16-byte vector (about ten instructions where two 8-lane decodes
+    took sixteen), for the 512-bit rows."""
+    _check_bytes(arr, "k_scales_mins16")
+    _int_arg("k_scales_mins16", index)
+
+    def codegen(context, builder, signature, args):
+        raw = _load(builder, _ptr(context, builder, signature.args, args, 0, 1), _V8x16)
+        # lane j < 8 is scale j, lane 8 + j min j; a: the byte holding the low bits (the low six for j < 4, a nibble
+        # for j >= 4), t: the byte whose top two bits are bits 4-5 of j >= 4
+        a = builder.shuffle_vector(raw, raw, _mask([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11]))
+        t = builder.shuffle_vector(raw, raw, _mask([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]))
+        low6 = builder.and_(a, _splat(63, _V8x16))
+        high_nibble = ir.Constant(ir.VectorType(ir.IntType(1), 16), [0] * 12 + [1] * 4)
+        nibble = builder.select(high_nibble, builder.lshr(a, _splat(4, _V8x16)), builder.and_(a, _splat(15, _V8x16)))
+        top = builder.lshr(builder.and_(t, _splat(0xC0, _V8x16)), _splat(2, _V8x16))
+        first_four = ir.Constant(ir.VectorType(ir.IntType(1), 16), ([1] * 4 + [0] * 4) * 2)
+        codes = builder.select(first_four, low6, builder.or_(nibble, top))
+        return builder.uitofp(codes, _VF16)
+
+    return f32x16(arr, index), codegen
+
+
+@intrinsic
+def k_d_dmin16(typingctx, arr, index, sixteenths):
+    """``f32x16``: a K-quant block's ``d`` in lanes 0-7 and ``dmin`` in 8-15 (the float16 pair at ``index``), the
+    odd lanes of ``d`` times 1/16 when ``sixteenths`` (a literal bool; see :func:`q4k_codes_x16`)."""
+    _check_bytes(arr, "k_d_dmin16")
+    _int_arg("k_d_dmin16", index)
+    if not isinstance(sixteenths, types.BooleanLiteral):
+        raise TypingError(f"k_d_dmin16: 'sixteenths' must be a literal bool, got {sixteenths}")
+    factors = ([1.0, 1.0 / 16] * 4 if sixteenths.literal_value else [1.0] * 8) + [1.0] * 8
+
+    def codegen(context, builder, signature, args):
+        ptr = _ptr(context, builder, signature.args, args, 0, 1)
+        pair = builder.load(builder.bitcast(ptr, ir.VectorType(ir.HalfType(), 2).as_pointer()), align=1)
+        wide = builder.fpext(pair, ir.VectorType(_F32, 2))
+        spread = builder.shuffle_vector(wide, wide, _mask([0] * 8 + [1] * 8))
+        return builder.fmul(spread, ir.Constant(_VF16, factors))
+
+    return f32x16(arr, index, sixteenths), codegen
+
+
+@intrinsic
+def load_f32x8_pair(typingctx, a, i, b, j):
+    """``f32x16``: eight float32 of ``a`` from flat offset ``i`` in lanes 0-7, eight of ``b`` from ``j`` in 8-15."""
+    for arr in (a, b):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
+            raise TypingError(f"load_f32x8_pair: expected C-contiguous float32 arrays, got {arr}")
+    _int_arg("load_f32x8_pair", i, j)
+
+    def codegen(context, builder, signature, args):
+        sig = signature.args
+        lo = builder.load(builder.bitcast(_ptr(context, builder, sig, args, 0, 1), _VF8.as_pointer()), align=4)
+        hi = builder.load(builder.bitcast(_ptr(context, builder, sig, args, 2, 3), _VF8.as_pointer()), align=4)
+        return builder.shuffle_vector(lo, hi, _mask(range(16)))
+
+    return f32x16(a, i, b, j), codegen
+
+
+@intrinsic
+def pair_lanes16(typingctx, scales, j):
+    """``f32x16``: lanes 0-7 ``scales[j]``, 8-15 ``scales[j + 1]``, from a 16-lane vector."""
+    if scales != f32x16:
+        raise TypingError(f"pair_lanes16: expected {f32x16}, got {scales}")
+    _int_arg("pair_lanes16", j)
+
+    def codegen(context, builder, signature, args):
+        lane = builder.trunc(_i64(context, builder, args[1], signature.args[1]), _I32)
+        index = builder.add(_splat_value(builder, lane, _V32x16), ir.Constant(_V32x16, [0] * 8 + [1] * 8))
+        fn = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF16, [_VF16, _V32x16])
+        return builder.call(fn, [args[0], index])
+
+    return f32x16(scales, j), codegen
+
+
+@intrinsic
+def sum_high8(typingctx, v):
+    """The sum of lanes 8-15 of an ``f32x16``, as float32."""
+    if v != f32x16:
+        raise TypingError(f"sum_high8: expected {f32x16}, got {v}")
+
+    def codegen(context, builder, signature, args):
+        from tessera.backends.cpu.ops._int8_simd import emit_lane_sum
+
+        return emit_lane_sum(builder, builder.shuffle_vector(args[0], args[0], _mask(range(8, 16))))
+
+    return types.float32(v), codegen
+
+
+@intrinsic
 def q6k_scales16(typingctx, arr, index):
     """``f32x16``: the sixteen int8 sub-block scales of the Q6_K block whose scale bytes start at ``index``."""
     _check_bytes(arr, "q6k_scales16")
@@ -159,17 +253,6 @@ def fma_f32x8(typingctx, a, b, acc):
 
 
 @intrinsic
-def odd_sixteenths(typingctx):
-    """``f32x8`` ``[1, 1/16, 1, 1/16, ...]``: the factor of a Q4_K block's scale vector under
-    :func:`q4k_codes_x16`."""
-
-    def codegen(context, builder, signature, args):
-        return ir.Constant(_VF8, [1.0, 1.0 / 16] * 4)
-
-    return f32x8(), codegen
-
-
-@intrinsic
 def fma_i32_lane(typingctx, d, scales, j, acc):
     """``acc + float(d) * scales[j]`` (``f32x8``; ``scales[j]`` broadcast): a 32-value sub-block's dot product times
     its lane of the block's scale vector."""
@@ -208,23 +291,6 @@ def fma_i32_halves_of(typingctx, d, scales, i, acc):
         return builder.call(fma, [builder.sitofp(args[0], _VF8), scale, args[3]])
 
     return f32x8(d, scales, i, acc), codegen
-
-
-@intrinsic
-def pair_lanes(typingctx, scales, j):
-    """``f32x16``: lanes 0-7 ``scales[j]``, 8-15 ``scales[j + 1]`` (a pair of 32-value sub-blocks in one zmm)."""
-    if scales != f32x8:
-        raise TypingError(f"pair_lanes: expected {f32x8}, got {scales}")
-    _int_arg("pair_lanes", j)
-
-    def codegen(context, builder, signature, args):
-        lane = builder.trunc(_i64(context, builder, args[1], signature.args[1]), _I32)
-        index = builder.add(_splat_value(builder, lane, _V32x16), ir.Constant(_V32x16, [0] * 8 + [1] * 8))
-        fn = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF16, [_VF16, _V32x16])
-        wide = builder.shuffle_vector(args[0], args[0], _mask(list(range(8)) * 2))
-        return builder.call(fn, [wide, index])
-
-    return f32x16(scales, j), codegen
 
 
 @intrinsic

@@ -38,8 +38,9 @@ from numba import njit, prange
 from tessera.backends.cpu.numba_math import FASTMATH
 from tessera.backends.cpu.ops._ggml_simd import k_codes, load_f16, q5_codes, q6k_codes
 from tessera.backends.cpu.ops._ggml_simd512 import (
-    dot_minus32_x2, fma_f32x8, fma_i32_halves_of, fma_i32_lane, k_mins8, k_scales8, load_f32x8, mul_f32x8, mul_f32x16,
-    odd_sixteenths, pair_lanes, pairs16, q4k_codes_x16, q5k_codes_x2, q6k_codes_x2, q6k_scales16, quad_lanes,
+    dot_minus32_x2, fma_f32x8, fma_i32_halves_of, fma_i32_lane, k_d_dmin16, k_mins8, k_scales8, k_scales_mins16,
+    load_f32x8, load_f32x8_pair, mul_f32x8, mul_f32x16, pair_lanes16, pairs16, q4k_codes_x16, q5k_codes_x2,
+    q6k_codes_x2, q6k_scales16, quad_lanes, sum_high8,
 )
 from tessera.backends.cpu.ops._int8_simd import (
     add_f32x8, dot_s8s8, dot_u8s8, fma_i32, high_nibbles32, load_f32, load_i8x32, low_nibbles32, prefetch,
@@ -92,7 +93,8 @@ def _k_row_narrow(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compile
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
     """:func:`_k_row_narrow` on 512-bit vectors: a chunk's two sub-blocks (64 codes from 32 bytes) per
-    ``VPDPBUSD``, their two scales spread over the halves by one permute."""
+    ``VPDPBUSD``, their two scales spread over the halves by one permute. A block's scales and mins are one 16-lane
+    vector: lanes 0-7 the sub-blocks' ``d * sc * xd``, 8-15 their ``dmin * m * xs`` (summed at the end)."""
     k = xq.shape[1]
     size = 176 if five else 144
     qs0 = 48 if five else 16
@@ -101,34 +103,38 @@ def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
     do = m * xd.shape[1]
     acc0 = zero_f32x16()
     acc1 = zero_f32x16()
-    mins = zero_f32x8()
+    mins = zero_f32x16()
     for blk in range(k // 256):
         o = r + blk * size
         prefetch(w, o + PREFETCH_BYTES)
         b = do + blk * 8
-        sx = mul_f32x8(mul_f32x8(k_scales8(w, o + 4), load_f16(w, o)), load_f32x8(xd, b))
-        mins = fma_f32x8(mul_f32x8(k_mins8(w, o + 4), load_f16(w, o + 2)), load_f32x8(xs, b), mins)
         x = xo + blk * 256
         qs = o + qs0
         if five:
+            sm = mul_f32x16(mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, False)),
+                            load_f32x8_pair(xd, b, xs, b))
+            mins = add_f32x16(mins, sm)
             acc0 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs, o + 16, 0), load_i8x64(xq, x)),
-                              pair_lanes(sx, 0), acc0)
+                              pair_lanes16(sm, 0), acc0)
             acc1 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 32, o + 16, 1), load_i8x64(xq, x + 64)),
-                              pair_lanes(sx, 2), acc1)
+                              pair_lanes16(sm, 2), acc1)
             acc0 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 64, o + 16, 2), load_i8x64(xq, x + 128)),
-                              pair_lanes(sx, 4), acc0)
+                              pair_lanes16(sm, 4), acc0)
             acc1 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 96, o + 16, 3), load_i8x64(xq, x + 192)),
-                              pair_lanes(sx, 6), acc1)
+                              pair_lanes16(sm, 6), acc1)
         else:  # Q4_K: the high nibbles stay in place (codes times 16), so their sub-blocks' scales take 1/16
-            sx = mul_f32x8(sx, odd_sixteenths())
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs), load_i8x64(xq, x)), pair_lanes(sx, 0), acc0)
+            sm = mul_f32x16(mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, True)),
+                            load_f32x8_pair(xd, b, xs, b))
+            mins = add_f32x16(mins, sm)
+            acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs), load_i8x64(xq, x)), pair_lanes16(sm, 0),
+                              acc0)
             acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 32), load_i8x64(xq, x + 64)),
-                              pair_lanes(sx, 2), acc1)
+                              pair_lanes16(sm, 2), acc1)
             acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 64), load_i8x64(xq, x + 128)),
-                              pair_lanes(sx, 4), acc0)
+                              pair_lanes16(sm, 4), acc0)
             acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 96), load_i8x64(xq, x + 192)),
-                              pair_lanes(sx, 6), acc1)
-    return sum_f32x16(add_f32x16(acc0, acc1)) - sum_f32x8(mins)
+                              pair_lanes16(sm, 6), acc1)
+    return sum_f32x16(add_f32x16(acc0, acc1)) - sum_high8(mins)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
