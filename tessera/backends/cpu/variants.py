@@ -63,10 +63,12 @@ _AMX_BF16 = frozenset({"amx-tile", "amx-bf16"})
 _AVX512_BF16 = frozenset({"avx512bf16"})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("qgemv", "quantized matmul at decode shapes (packed int4 / int8 weights, M <= the GEMV row limit)", (
+    Family("qgemv", "quantized matmul at decode shapes (packed int4 / int8 weights and GGUF's block formats, M <= "
+                    "the GEMV row limit)", (
         Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
                 "x quantized to int8 per block of 32; two blocks per 512-bit VPDPBUSD for group-32 weights (GGUF "
-                "Q4_0 / Q4_1 / Q8_0), the 256-bit EVEX form for other groups"),
+                "Q4_0 / Q4_1 / Q8_0) and the K-quants (Q4_K / Q5_K / Q6_K), the 256-bit EVEX form for other groups "
+                "and Q5_0 / Q5_1"),
         Variant("vnni", frozenset({"avx2", "avxvnni"}),
                 "x quantized to int8 per block of 32; u8 x s8 dot products with VPDPBUSD (AVX-VNNI, 256-bit)"),
         Variant("avx2", frozenset({"avx2"}),
