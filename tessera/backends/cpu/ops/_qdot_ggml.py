@@ -25,7 +25,8 @@ dot product; ``avx2`` and ``vnni``) and, for ``vnni512``, 512-bit rows of the K-
 Q5_0 / Q5_1 have the 256-bit rows only. Measured on Zen 4 (2026-12-04, 5632 x 2048, M = 1, one thread, in cache,
 ``python benchmarks/qgemv_variants.py --formats q4_k,q6_k``): see ``docs/kernels/quant.md``.
 
-Rows are computed one weight row at a time with every activation row before the next (the weight row stays in L1);
+Rows are computed one weight row at a time with every activation row before the next (the weight row stays in L1;
+the 512-bit K-quant rows take four activation rows at a time, each chunk of codes unpacked once for the four);
 a weight given as two row blocks in different formats (a Q4_K_M file's q|k|v, whose v is Q6_K) is one call:
 :func:`ggml_rows` takes both blocks and the row where the second starts.
 """
@@ -135,6 +136,65 @@ def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
             acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 96), load_i8x64(xq, x + 192)),
                               pair_lanes16(sm, 6), acc1)
     return sum_f32x16(add_f32x16(acc0, acc1)) - sum_high8(mins)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_chunks_x4(isa, xq, w, qs, codes_of_q5, qh, x0, x1, x2, x3, s0, s1, s2, s3, a0, a1, a2, a3):  # pragma: no cover
+    """One K-quant block's four chunks dotted with four activation rows (flat offsets ``x0 .. x3`` of the block's
+    values), each chunk's codes unpacked once for the four."""
+    for c in range(4):
+        if codes_of_q5:
+            codes = q5k_codes_x2(w, qs + 32 * c, qh, c)
+        else:
+            codes = q4k_codes_x16(w, qs + 32 * c)
+        a0 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x0 + 64 * c)), pair_lanes16(s0, 2 * c), a0)
+        a1 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x1 + 64 * c)), pair_lanes16(s1, 2 * c), a1)
+        a2 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x2 + 64 * c)), pair_lanes16(s2, 2 * c), a2)
+        a3 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x3 + 64 * c)), pair_lanes16(s3, 2 * c), a3)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_x4_wide(isa, xq, xd, xs, m, w, n, five, out, col):  # pragma: no cover - compiled
+    """Row ``n`` of Q4_K / Q5_K weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, col]``
+    (512-bit): a batched decode step or a short prefill chunk unpacks each chunk of codes once for four x rows, as
+    the group-32 rows' ``g32_x4`` do."""
+    k = xq.shape[1]
+    nb = xd.shape[1]
+    size = 176 if five else 144
+    qs0 = 48 if five else 16
+    r = n * w.shape[1]
+    a0 = zero_f32x16()
+    a1 = zero_f32x16()
+    a2 = zero_f32x16()
+    a3 = zero_f32x16()
+    n0 = zero_f32x16()
+    n1 = zero_f32x16()
+    n2 = zero_f32x16()
+    n3 = zero_f32x16()
+    for blk in range(k // 256):
+        o = r + blk * size
+        prefetch(w, o + PREFETCH_BYTES)
+        if five:
+            sm = mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, False))
+        else:
+            sm = mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, True))
+        b = blk * 8
+        s0 = mul_f32x16(sm, load_f32x8_pair(xd, m * nb + b, xs, m * nb + b))
+        s1 = mul_f32x16(sm, load_f32x8_pair(xd, (m + 1) * nb + b, xs, (m + 1) * nb + b))
+        s2 = mul_f32x16(sm, load_f32x8_pair(xd, (m + 2) * nb + b, xs, (m + 2) * nb + b))
+        s3 = mul_f32x16(sm, load_f32x8_pair(xd, (m + 3) * nb + b, xs, (m + 3) * nb + b))
+        n0 = add_f32x16(n0, s0)
+        n1 = add_f32x16(n1, s1)
+        n2 = add_f32x16(n2, s2)
+        n3 = add_f32x16(n3, s3)
+        x = blk * 256
+        a0, a1, a2, a3 = _k_chunks_x4(isa, xq, w, o + qs0, five, o + 16, m * k + x, (m + 1) * k + x,
+                                      (m + 2) * k + x, (m + 3) * k + x, s0, s1, s2, s3, a0, a1, a2, a3)
+    out[m, col] = sum_f32x16(a0) - sum_high8(n0)
+    out[m + 1, col] = sum_f32x16(a1) - sum_high8(n1)
+    out[m + 2, col] = sum_f32x16(a2) - sum_high8(n2)
+    out[m + 3, col] = sum_f32x16(a3) - sum_high8(n3)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -257,8 +317,11 @@ def _block_rows(isa, xq, xd, xs, w, fmt, out, lo, hi, at):  # pragma: no cover -
     m_rows = xq.shape[0]
     if fmt == Q4_K or fmt == Q5_K:
         five = fmt == Q5_K
+        quads = m_rows // 4 * 4 if is_wide(isa) else 0  # four x rows share each chunk's codes (512-bit rows)
         for n in range(lo, hi):
-            for m in range(m_rows):
+            for m in range(0, quads, 4):
+                _k_x4_wide(isa, xq, xd, xs, m, w, n, five, out, at + n)
+            for m in range(quads, m_rows):
                 out[m, at + n] = _k_row(isa, xq, xd, xs, m, w, n, five)
     elif fmt == Q6_K:
         for n in range(lo, hi):
