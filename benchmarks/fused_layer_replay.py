@@ -99,9 +99,12 @@ def _gemvs_alone_ms(call: tuple, workers: int, rounds: int) -> float | None:
 
 def _qdot_ggml_k(w: tuple) -> int:
     """K of a ggml block-format projection from its row bytes and format code."""
-    from tessera.backends.cpu.ops._ggml_kernels import _BYTES, _VALUES
+    from tessera.backends.cpu.ops._ggml_kernels import FMT_CODES
+    from tessera.kernels.ggml_blocks import BLOCKS
 
-    return w[0].shape[1] // _BYTES[w[2]] * _VALUES[w[2]]
+    fmt = next(name for name, code in FMT_CODES.items() if code == w[2])
+    _, values, size = BLOCKS[fmt]
+    return w[0].shape[1] // size * values
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ def random_qweight(fmt: str, n: int, k: int, gen: torch.Generator, group: int = 
 
 
 #: byte offsets of the float16 fields (d, dmin / m) in a block of each ggml block format
-_GGML_HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+GGML_HALF_FIELDS = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
 def random_ggml_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
@@ -38,7 +38,7 @@ def random_ggml_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> Quanti
 
     _, values, size = BLOCKS[fmt]
     blocks = torch.randint(0, 256, (n * (k // values), size), dtype=torch.uint8, generator=gen)
-    for at in _GGML_HALVES[fmt]:
+    for at in GGML_HALF_FIELDS[fmt]:
         halves = (torch.rand(blocks.shape[0], generator=gen) * 0.02 + 0.001).half()
         blocks[:, at:at + 2] = halves.view(torch.uint8).view(-1, 2)
     return QuantizedWeight(fmt, (n, k), values, blocks.view(n, -1).contiguous(), None)

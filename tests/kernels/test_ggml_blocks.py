@@ -10,13 +10,12 @@ import torch
 
 from tessera.kernels import ggml_blocks as G
 from tessera.kernels import quant as Q
+from tessera.tuning.random_weights import GGML_HALF_FIELDS
 from tests.kernels.conftest import kernel_backends
 from tests.kernels.tolerances import assert_close_to_oracle
 
 gguf = pytest.importorskip("gguf")
 
-#: byte offsets of each block's f16 fields: set to finite values (random bytes would make NaN / inf scales)
-_HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
 def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -24,7 +23,7 @@ def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     rows = rng.integers(0, 256, size=(n, G.row_bytes(fmt, k)), dtype=np.uint8)
     blocks = rows.reshape(-1, G.BLOCKS[fmt][2])
-    for at in _HALVES[fmt]:
+    for at in GGML_HALF_FIELDS[fmt]:  # finite scales (random bytes would make NaN / inf)
         scale = rng.uniform(-1, 1, size=(blocks.shape[0], 1)) * 10.0 ** rng.integers(-3, 1, size=(blocks.shape[0], 1))
         blocks[:, at:at + 2] = scale.astype(np.float16).view(np.uint8)
     return rows

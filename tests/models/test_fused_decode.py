@@ -169,6 +169,23 @@ def test_unsupported_families_name_the_reason(name, tmp_path):
     assert reason and ("norm" in reason or "experts" in reason)
 
 
+def _three_packed_decode_steps(model) -> None:
+    """Prefill two sequences per-op, then three decode steps fused and per-op on twin caches: equal logits (1e-4:
+    x's group sums are summed in another order by the fused layer's row kernels)."""
+    gen = torch.Generator().manual_seed(7)
+    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((6, 9))}
+    tables = {0: [5, 1, 3], 1: [2, 7, 0, 4]}
+    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+    for _ in range(3):
+        step = _step({s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}, {0: 1, 1: 1}, tables)
+        fused = forward_step(model, caches[0], step)
+        per_op = forward_step(model, caches[1], step, fused=False)
+        torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)
+        seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
+
+
 #: every format under every qgemv variant on the calling thread; the parallel region once, with the best variant
 #: (its claims and phases do not depend on the weight format, and each parallel specialization compiles for ~50 s)
 _PACKED_CASES = [(fmt, variant, 1) for fmt in ("int4", "int4_min", "int8") for variant in variants.available("qgemv")]
@@ -193,18 +210,7 @@ def test_fused_decode_with_int4_projections(fmt, variant, n_workers, tmp_path, f
         for name in ("qkv", "o", "gate_up", "down"):  # down has K = 96: an odd number of 32-groups (the tail path)
             key = f"layers.{i}.{name}.weight"
             model.weights[key] = quantize(model.weights[key], fmt, 32)
-    gen = torch.Generator().manual_seed(7)
-    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((6, 9))}
-    tables = {0: [5, 1, 3], 1: [2, 7, 0, 4]}
-    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
-    for cache in caches:
-        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
-    for _ in range(3):
-        step = _step({s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}, {0: 1, 1: 1}, tables)
-        fused = forward_step(model, caches[0], step)
-        per_op = forward_step(model, caches[1], step, fused=False)
-        torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)  # x's group sums: another summation order
-        seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
+    _three_packed_decode_steps(model)
     assert fused_calls == [fmt != "int8" or variant != "portable"] * 3
 
 
@@ -256,18 +262,7 @@ def test_fused_decode_with_ggml_block_projections(mix, n_workers, tmp_path, fuse
         for name in ("o", "gate_up"):
             model.weights[f"{p}.{name}.weight"] = _ggml_weight(model.weights[f"{p}.{name}.weight"], "q4_k")
     assert unsupported_reason(model.config, model.weights) is None
-    gen = torch.Generator().manual_seed(7)
-    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((6, 9))}
-    tables = {0: [5, 1, 3], 1: [2, 7, 0, 4]}
-    caches = [new_cache(model, num_pages=8, page_size=PAGE) for _ in range(2)]
-    for cache in caches:
-        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
-    for _ in range(3):
-        step = _step({s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}, {0: 1, 1: 1}, tables)
-        fused = forward_step(model, caches[0], step)
-        per_op = forward_step(model, caches[1], step, fused=False)
-        torch.testing.assert_close(fused, per_op, rtol=1e-4, atol=1e-4)
-        seqs = {s: t + [(3 * s + len(t)) % 211] for s, t in seqs.items()}
+    _three_packed_decode_steps(model)
     assert fused_calls == [True] * 3
 
 

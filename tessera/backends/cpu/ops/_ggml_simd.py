@@ -42,10 +42,23 @@ def _as_i8(context, builder, value, typ):
     return builder.trunc(context.cast(builder, value, typ, types.int64), _I8)
 
 
+def _splat_value(builder, value, vec_type):
+    """``value`` (an IR scalar) in every lane of ``vec_type``."""
+    one = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec_type, ir.Undefined), _mask([0] * vec_type.count))
+
+
+def _nibbles(context, builder, raw, high, high_type):
+    """The high nibbles of byte vector ``raw`` where the (runtime) selector ``high`` is non-zero, else the low ones."""
+    is_high = builder.icmp_signed("!=", context.cast(builder, high, high_type, types.int64),
+                                  ir.Constant(ir.IntType(64), 0))
+    vec = raw.type
+    return builder.select(is_high, builder.lshr(raw, _splat(4, vec)), builder.and_(raw, _splat(15, vec)))
+
+
 def _bit_lanes(builder, vec, bit):
     """16 where ``vec``'s lane has the bit of byte mask ``bit`` set, else 0."""
-    mask = builder.insert_element(ir.Constant(_V8x32, ir.Undefined), bit, ir.Constant(_I32, 0))
-    mask = builder.shuffle_vector(mask, mask, _mask([0] * 32))
+    mask = _splat_value(builder, bit, _V8x32)
     hit = builder.icmp_unsigned("!=", builder.and_(vec, mask), _splat(0, _V8x32))
     return builder.select(hit, _splat(16, _V8x32), _splat(0, _V8x32))
 
@@ -61,9 +74,7 @@ def k_codes(typingctx, arr, qs, qh, high, bit):
     def codegen(context, builder, signature, args):
         sig = signature.args
         raw = _load(builder, _byte_pointer(context, builder, sig[0], args[0], args[1], sig[1]), _V8x32)
-        is_high = builder.icmp_signed("!=", context.cast(builder, args[3], sig[3], types.int64),
-                                      ir.Constant(ir.IntType(64), 0))
-        codes = builder.select(is_high, builder.lshr(raw, _splat(4, _V8x32)), builder.and_(raw, _splat(15, _V8x32)))
+        codes = _nibbles(context, builder, raw, args[3], sig[3])
         bit_ = _as_i8(context, builder, args[4], sig[4])
         hbits = _load(builder, _byte_pointer(context, builder, sig[0], args[0], args[2], sig[2]), _V8x32)
         # bit 0 (Q4_K) selects nothing; the load is of bytes inside the block either way
@@ -105,14 +116,9 @@ def q6k_codes(typingctx, arr, ql, qh, high, shift):
     def codegen(context, builder, signature, args):
         sig = signature.args
         raw = _load(builder, _byte_pointer(context, builder, sig[0], args[0], args[1], sig[1]), _V8x32)
-        is_high = builder.icmp_signed("!=", context.cast(builder, args[3], sig[3], types.int64),
-                                      ir.Constant(ir.IntType(64), 0))
-        low4 = builder.select(is_high, builder.lshr(raw, _splat(4, _V8x32)), builder.and_(raw, _splat(15, _V8x32)))
+        low4 = _nibbles(context, builder, raw, args[3], sig[3])
         hbits = _load(builder, _byte_pointer(context, builder, sig[0], args[0], args[2], sig[2]), _V8x32)
-        s = _as_i8(context, builder, args[4], sig[4])
-        splat_s = builder.shuffle_vector(builder.insert_element(ir.Constant(_V8x32, ir.Undefined), s,
-                                                                ir.Constant(_I32, 0)),
-                                         ir.Constant(_V8x32, ir.Undefined), _mask([0] * 32))
+        splat_s = _splat_value(builder, _as_i8(context, builder, args[4], sig[4]), _V8x32)
         high2 = builder.and_(builder.lshr(hbits, splat_s), _splat(3, _V8x32))
         codes = builder.or_(low4, builder.shl(high2, _splat(4, _V8x32)))
         return builder.sub(codes, _splat(32, _V8x32))

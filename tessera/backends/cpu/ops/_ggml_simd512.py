@@ -28,6 +28,7 @@ from numba.extending import intrinsic
 from tessera.backends.cpu.ops._int8_simd import (
     _byte_pointer, _check_bytes, _fn, _load, _mask, _splat, f32x8, i32x8,
 )
+from tessera.backends.cpu.ops._ggml_simd import _check_offsets, _nibbles, _splat_value
 from tessera.backends.cpu.ops._int8_simd512 import _dot512, f32x16, i8x64, i32x16
 
 _I8 = ir.IntType(8)
@@ -43,12 +44,6 @@ _VF8 = ir.VectorType(_F32, 8)
 _VF16 = ir.VectorType(_F32, 16)
 
 
-def _int_arg(what: str, *args) -> None:
-    for a in args:
-        if not isinstance(a, (types.Integer, types.Boolean)):
-            raise TypingError(f"{what}: offsets and selectors must be integers, got {a}")
-
-
 def _ptr(context, builder, sig, args, i, j):
     return _byte_pointer(context, builder, sig[i], args[i], args[j], sig[j])
 
@@ -57,9 +52,11 @@ def _i64(context, builder, value, typ):
     return context.cast(builder, value, typ, types.int64)
 
 
-def _splat_value(builder, value, vec_type):
-    one = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec_type, ir.Undefined), _mask([0] * vec_type.count))
+def _permute16(builder, vec, base, offsets):
+    """``vec[base + offsets[i]]`` in lane ``i`` of an ``f32x16`` (one ``VPERMPS``; ``base`` an IR int32)."""
+    index = builder.add(_splat_value(builder, base, _V32x16), ir.Constant(_V32x16, list(offsets)))
+    fn = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF16, [_VF16, _V32x16])
+    return builder.call(fn, [vec, index])
 
 
 # ------------------------------------------------------------------------------------------------ scales
@@ -86,7 +83,7 @@ def _k_scales_mins(builder, raw):
 def _k_vector_typer(what: str, want_mins: bool):
     def typer(typingctx, arr, index):
         _check_bytes(arr, what)
-        _int_arg(what, index)
+        _check_offsets(what, index)
 
         def codegen(context, builder, signature, args):
             raw = _load(builder, _ptr(context, builder, signature.args, args, 0, 1), _V8x16)
@@ -111,7 +108,7 @@ def k_scales_mins16(typingctx, arr, index):
     scale bytes at ``index``: both decoded in one 16-byte vector (about ten instructions where two 8-lane decodes
     took sixteen), for the 512-bit rows."""
     _check_bytes(arr, "k_scales_mins16")
-    _int_arg("k_scales_mins16", index)
+    _check_offsets("k_scales_mins16", index)
 
     def codegen(context, builder, signature, args):
         raw = _load(builder, _ptr(context, builder, signature.args, args, 0, 1), _V8x16)
@@ -135,7 +132,7 @@ def k_d_dmin16(typingctx, arr, index, sixteenths):
     """``f32x16``: a K-quant block's ``d`` in lanes 0-7 and ``dmin`` in 8-15 (the float16 pair at ``index``), the
     odd lanes of ``d`` times 1/16 when ``sixteenths`` (a literal bool; see :func:`q4k_codes_x16`)."""
     _check_bytes(arr, "k_d_dmin16")
-    _int_arg("k_d_dmin16", index)
+    _check_offsets("k_d_dmin16", index)
     if not isinstance(sixteenths, types.BooleanLiteral):
         raise TypingError(f"k_d_dmin16: 'sixteenths' must be a literal bool, got {sixteenths}")
     factors = ([1.0, 1.0 / 16] * 4 if sixteenths.literal_value else [1.0] * 8) + [1.0] * 8
@@ -156,7 +153,7 @@ def load_f32x8_pair(typingctx, a, i, b, j):
     for arr in (a, b):
         if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
             raise TypingError(f"load_f32x8_pair: expected C-contiguous float32 arrays, got {arr}")
-    _int_arg("load_f32x8_pair", i, j)
+    _check_offsets("load_f32x8_pair", i, j)
 
     def codegen(context, builder, signature, args):
         sig = signature.args
@@ -172,13 +169,11 @@ def pair_lanes16(typingctx, scales, j):
     """``f32x16``: lanes 0-7 ``scales[j]``, 8-15 ``scales[j + 1]``, from a 16-lane vector."""
     if scales != f32x16:
         raise TypingError(f"pair_lanes16: expected {f32x16}, got {scales}")
-    _int_arg("pair_lanes16", j)
+    _check_offsets("pair_lanes16", j)
 
     def codegen(context, builder, signature, args):
         lane = builder.trunc(_i64(context, builder, args[1], signature.args[1]), _I32)
-        index = builder.add(_splat_value(builder, lane, _V32x16), ir.Constant(_V32x16, [0] * 8 + [1] * 8))
-        fn = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF16, [_VF16, _V32x16])
-        return builder.call(fn, [args[0], index])
+        return _permute16(builder, args[0], lane, [0] * 8 + [1] * 8)
 
     return f32x16(scales, j), codegen
 
@@ -201,7 +196,7 @@ def sum_high8(typingctx, v):
 def q6k_scales16(typingctx, arr, index):
     """``f32x16``: the sixteen int8 sub-block scales of the Q6_K block whose scale bytes start at ``index``."""
     _check_bytes(arr, "q6k_scales16")
-    _int_arg("q6k_scales16", index)
+    _check_offsets("q6k_scales16", index)
 
     def codegen(context, builder, signature, args):
         raw = _load(builder, _ptr(context, builder, signature.args, args, 0, 1), _V8x16)
@@ -216,7 +211,7 @@ def load_f32x8(typingctx, arr, index):
     """``f32x8``: eight float32 from flat offset ``index`` of a C-contiguous float32 array."""
     if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
         raise TypingError(f"load_f32x8: expected a C-contiguous float32 array, got {arr}")
-    _int_arg("load_f32x8", index)
+    _check_offsets("load_f32x8", index)
 
     def codegen(context, builder, signature, args):
         ptr = _ptr(context, builder, signature.args, args, 0, 1)
@@ -258,7 +253,7 @@ def fma_i32_lane(typingctx, d, scales, j, acc):
     its lane of the block's scale vector."""
     if (d, scales, acc) != (i32x8, f32x8, f32x8):
         raise TypingError(f"fma_i32_lane: expected ({i32x8}, {f32x8}, int, {f32x8}), got ({d}, {scales}, {j}, {acc})")
-    _int_arg("fma_i32_lane", j)
+    _check_offsets("fma_i32_lane", j)
 
     def codegen(context, builder, signature, args):
         lane = builder.trunc(_i64(context, builder, args[2], signature.args[2]), _I32)
@@ -277,7 +272,7 @@ def fma_i32_halves_of(typingctx, d, scales, i, acc):
     if (d, scales, acc) != (i32x8, f32x16, f32x8):
         raise TypingError(f"fma_i32_halves_of: expected ({i32x8}, {f32x16}, int, {f32x8}), got "
                           f"({d}, {scales}, {i}, {acc})")
-    _int_arg("fma_i32_halves_of", i)
+    _check_offsets("fma_i32_halves_of", i)
 
     def codegen(context, builder, signature, args):
         lane = builder.trunc(_i64(context, builder, args[2], signature.args[2]), _I32)
@@ -299,14 +294,12 @@ def quad_lanes(typingctx, scales, p):
     block, one zmm of their dot products)."""
     if scales != f32x16:
         raise TypingError(f"quad_lanes: expected {f32x16}, got {scales}")
-    _int_arg("quad_lanes", p)
+    _check_offsets("quad_lanes", p)
 
     def codegen(context, builder, signature, args):
         base = builder.mul(builder.trunc(_i64(context, builder, args[1], signature.args[1]), _I32),
                            ir.Constant(_I32, 4))
-        index = builder.add(_splat_value(builder, base, _V32x16), ir.Constant(_V32x16, [i // 4 for i in range(16)]))
-        fn = _fn(builder, "llvm.x86.avx512.permvar.sf.512", _VF16, [_VF16, _V32x16])
-        return builder.call(fn, [args[0], index])
+        return _permute16(builder, args[0], base, [i // 4 for i in range(16)])
 
     return f32x16(scales, p), codegen
 
@@ -351,7 +344,7 @@ def q5k_codes_x2(typingctx, arr, qs, qh, c):
     ``qs`` (sub-block ``2c``), then their high nibbles (``2c + 1``), with the 5th bits from bits ``2c`` and ``2c + 1``
     of the 32 bytes at ``qh``."""
     _check_bytes(arr, "q5k_codes_x2")
-    _int_arg("q5k_codes_x2", qs, qh, c)
+    _check_offsets("q5k_codes_x2", qs, qh, c)
 
     def codegen(context, builder, signature, args):
         sig = signature.args
@@ -381,7 +374,7 @@ def q4k_codes_x16(typingctx, arr, qs):
     took four; the caller scales sub-block ``2c + 1`` by 1/16 instead (exact: a power of two), and the unsigned
     products stay exact in the dot product's int32 lanes (``4 * 240 * 127``)."""
     _check_bytes(arr, "q4k_codes_x16")
-    _int_arg("q4k_codes_x16", qs)
+    _check_offsets("q4k_codes_x16", qs)
 
     def codegen(context, builder, signature, args):
         raw = _load(builder, _ptr(context, builder, signature.args, args, 0, 1), _V8x32)
@@ -397,13 +390,12 @@ def q6k_codes_x2(typingctx, arr, ql, qh, high, shift):
     64 bytes at ``ql``, with bits ``shift, shift + 1`` (first 32) and ``shift + 2, shift + 3`` (last 32) of the 32
     bytes at ``qh`` above them."""
     _check_bytes(arr, "q6k_codes_x2")
-    _int_arg("q6k_codes_x2", ql, qh, high, shift)
+    _check_offsets("q6k_codes_x2", ql, qh, high, shift)
 
     def codegen(context, builder, signature, args):
         sig = signature.args
         raw = _load(builder, _ptr(context, builder, sig, args, 0, 1), _V8x64)
-        is_high = builder.icmp_signed("!=", _i64(context, builder, args[3], sig[3]), ir.Constant(ir.IntType(64), 0))
-        low4 = builder.select(is_high, builder.lshr(raw, _splat(4, _V8x64)), builder.and_(raw, _splat(15, _V8x64)))
+        low4 = _nibbles(context, builder, raw, args[3], sig[3])
         hbits = _load(builder, _ptr(context, builder, sig, args, 0, 2), _V8x32)
         s = builder.trunc(_i64(context, builder, args[4], sig[4]), _I8)
         first = builder.lshr(hbits, _splat_value(builder, s, _V8x32))

@@ -158,12 +158,19 @@ def self_check(isa: IsaToken, kind: Kind = ("int4", torch.float32)) -> str | Non
         x = torch.randn(5, k, generator=gen)
         x_deq = quantized_activation(x)
         qw = _with_scale_dtype(quantize(torch.randn(21, k, generator=gen), fmt, group), scale_dtype)
-        want = qmatmul_f64(x_deq, qw)
-        for serial in (True, False):
-            got = qmatmul(x, qw, isa, serial).double()
-            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-            if not err <= 1e-5:  # also catches NaN
-                return f"{fmt}/g{group} with {scale_dtype} scales, serial={serial}: relative error {err:.3g}"
+        error = _mismatch(x, qw, qmatmul_f64(x_deq, qw), isa)
+        if error is not None:
+            return f"{fmt}/g{group} with {scale_dtype} scales, {error}"
+    return None
+
+
+def _mismatch(x: torch.Tensor, w: QuantizedWeight | StackedWeight, want: torch.Tensor, isa: IsaToken) -> str | None:
+    """Where :func:`qmatmul` of ``isa``, serial or parallel, is not ``want`` to fp32 rounding (None: nowhere)."""
+    for serial in (True, False):
+        got = qmatmul(x, w, isa, serial).double()
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+        if not err <= 1e-5:  # also catches NaN
+            return f"serial={serial}: relative error {err:.3g}"
     return None
 
 
@@ -182,12 +189,9 @@ def _self_check_ggml(isa: IsaToken, fmt: str, gen: torch.Generator) -> str | Non
     stacked = StackedWeight((single, random_ggml_weight(other, 19, k, gen)))
     for w in (single, stacked):
         parts = w.parts if isinstance(w, StackedWeight) else (w,)
-        want = torch.cat([qmatmul_f64(x_deq, p) for p in parts], dim=1)
-        for serial in (True, False):
-            got = qmatmul(x, w, isa, serial).double()
-            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-            if not err <= 1e-5:  # also catches NaN
-                return f"{fmt} ({len(parts)} row blocks), serial={serial}: relative error {err:.3g}"
+        error = _mismatch(x, w, torch.cat([qmatmul_f64(x_deq, p) for p in parts], dim=1), isa)
+        if error is not None:
+            return f"{fmt} ({len(parts)} row blocks), {error}"
     return None
 
 

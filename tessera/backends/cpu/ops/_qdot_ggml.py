@@ -37,6 +37,7 @@ import numpy as np
 from numba import njit, prange
 
 from tessera.backends.cpu.numba_math import FASTMATH
+from tessera.backends.cpu.ops._ggml_kernels import FMT_CODES
 from tessera.backends.cpu.ops._ggml_simd import k_codes, load_f16, q5_codes, q6k_codes
 from tessera.backends.cpu.ops._ggml_simd512 import (
     dot_minus32_x2, fma_f32x8, fma_i32_halves_of, fma_i32_lane, k_d_dmin16, k_mins8, k_scales8, k_scales_mins16,
@@ -51,11 +52,10 @@ from tessera.backends.cpu.ops._int8_simd512 import (
     add_f32x16, dot_codes_x2, fma_i32x16, is_wide, load_i8x64, sum_f32x16, zero_f32x16,
 )
 from tessera.backends.cpu.ops._qdot_kernels import BLOCK, ROWS
+from tessera.backends.cpu.ops._qdot_wide import PREFETCH_BYTES
 
-#: format codes (as :data:`._ggml_kernels.FMT_CODES`)
-Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 4
-#: bytes ahead of the block being dotted that a row asks for (see ``_qdot_wide.PREFETCH_BYTES``)
-PREFETCH_BYTES = 2048
+#: the kernels' format codes (:data:`._ggml_kernels.FMT_CODES`)
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (FMT_CODES[f] for f in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -92,13 +92,29 @@ def _k_row_narrow(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compile
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_scales_wide(w, o, five):  # pragma: no cover - compiled
+    """A Q4_K / Q5_K block's scales times ``d`` (lanes 0-7) and mins times ``dmin`` (8-15), ``f32x16``. Q4_K's odd
+    sub-blocks take 1/16 more: :func:`_k_codes_wide` leaves their nibbles in place."""
+    if five:
+        return mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, False))
+    return mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, True))
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _k_codes_wide(w, o, c, five):  # pragma: no cover - compiled
+    """The 64 codes of chunk ``c`` of the Q4_K / Q5_K block at ``o`` (Q4_K's high nibbles times 16)."""
+    if five:
+        return q5k_codes_x2(w, o + 48 + 32 * c, o + 16, c)
+    return q4k_codes_x16(w, o + 16 + 32 * c)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
     """:func:`_k_row_narrow` on 512-bit vectors: a chunk's two sub-blocks (64 codes from 32 bytes) per
     ``VPDPBUSD``, their two scales spread over the halves by one permute. A block's scales and mins are one 16-lane
     vector: lanes 0-7 the sub-blocks' ``d * sc * xd``, 8-15 their ``dmin * m * xs`` (summed at the end)."""
     k = xq.shape[1]
     size = 176 if five else 144
-    qs0 = 48 if five else 16
     r = n * w.shape[1]
     xo = m * k
     do = m * xd.shape[1]
@@ -110,43 +126,26 @@ def _k_row_wide(isa, xq, xd, xs, m, w, n, five):  # pragma: no cover - compiled
         prefetch(w, o + PREFETCH_BYTES)
         b = do + blk * 8
         x = xo + blk * 256
-        qs = o + qs0
-        if five:
-            sm = mul_f32x16(mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, False)),
-                            load_f32x8_pair(xd, b, xs, b))
-            mins = add_f32x16(mins, sm)
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs, o + 16, 0), load_i8x64(xq, x)),
-                              pair_lanes16(sm, 0), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 32, o + 16, 1), load_i8x64(xq, x + 64)),
-                              pair_lanes16(sm, 2), acc1)
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 64, o + 16, 2), load_i8x64(xq, x + 128)),
-                              pair_lanes16(sm, 4), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, q5k_codes_x2(w, qs + 96, o + 16, 3), load_i8x64(xq, x + 192)),
-                              pair_lanes16(sm, 6), acc1)
-        else:  # Q4_K: the high nibbles stay in place (codes times 16), so their sub-blocks' scales take 1/16
-            sm = mul_f32x16(mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, True)),
-                            load_f32x8_pair(xd, b, xs, b))
-            mins = add_f32x16(mins, sm)
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs), load_i8x64(xq, x)), pair_lanes16(sm, 0),
-                              acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 32), load_i8x64(xq, x + 64)),
-                              pair_lanes16(sm, 2), acc1)
-            acc0 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 64), load_i8x64(xq, x + 128)),
-                              pair_lanes16(sm, 4), acc0)
-            acc1 = fma_i32x16(dot_codes_x2(isa, w, q4k_codes_x16(w, qs + 96), load_i8x64(xq, x + 192)),
-                              pair_lanes16(sm, 6), acc1)
+        sm = mul_f32x16(_k_scales_wide(w, o, five), load_f32x8_pair(xd, b, xs, b))
+        mins = add_f32x16(mins, sm)
+        # two FMA chains, chunks alternating between them
+        acc0 = fma_i32x16(dot_codes_x2(isa, w, _k_codes_wide(w, o, 0, five), load_i8x64(xq, x)), pair_lanes16(sm, 0),
+                          acc0)
+        acc1 = fma_i32x16(dot_codes_x2(isa, w, _k_codes_wide(w, o, 1, five), load_i8x64(xq, x + 64)),
+                          pair_lanes16(sm, 2), acc1)
+        acc0 = fma_i32x16(dot_codes_x2(isa, w, _k_codes_wide(w, o, 2, five), load_i8x64(xq, x + 128)),
+                          pair_lanes16(sm, 4), acc0)
+        acc1 = fma_i32x16(dot_codes_x2(isa, w, _k_codes_wide(w, o, 3, five), load_i8x64(xq, x + 192)),
+                          pair_lanes16(sm, 6), acc1)
     return sum_f32x16(add_f32x16(acc0, acc1)) - sum_high8(mins)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _k_chunks_x4(isa, xq, w, qs, codes_of_q5, qh, x0, x1, x2, x3, s0, s1, s2, s3, a0, a1, a2, a3):  # pragma: no cover
-    """One K-quant block's four chunks dotted with four activation rows (flat offsets ``x0 .. x3`` of the block's
-    values), each chunk's codes unpacked once for the four."""
+def _k_chunks_x4(isa, xq, w, o, five, x0, x1, x2, x3, s0, s1, s2, s3, a0, a1, a2, a3):  # pragma: no cover
+    """The four chunks of the K-quant block at ``o`` dotted with four activation rows (flat offsets ``x0 .. x3`` of
+    the block's values), each chunk's codes unpacked once for the four."""
     for c in range(4):
-        if codes_of_q5:
-            codes = q5k_codes_x2(w, qs + 32 * c, qh, c)
-        else:
-            codes = q4k_codes_x16(w, qs + 32 * c)
+        codes = _k_codes_wide(w, o, c, five)
         a0 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x0 + 64 * c)), pair_lanes16(s0, 2 * c), a0)
         a1 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x1 + 64 * c)), pair_lanes16(s1, 2 * c), a1)
         a2 = fma_i32x16(dot_codes_x2(isa, w, codes, load_i8x64(xq, x2 + 64 * c)), pair_lanes16(s2, 2 * c), a2)
@@ -162,7 +161,6 @@ def _k_x4_wide(isa, xq, xd, xs, m, w, n, five, out, col):  # pragma: no cover - 
     k = xq.shape[1]
     nb = xd.shape[1]
     size = 176 if five else 144
-    qs0 = 48 if five else 16
     r = n * w.shape[1]
     a0 = zero_f32x16()
     a1 = zero_f32x16()
@@ -175,10 +173,7 @@ def _k_x4_wide(isa, xq, xd, xs, m, w, n, five, out, col):  # pragma: no cover - 
     for blk in range(k // 256):
         o = r + blk * size
         prefetch(w, o + PREFETCH_BYTES)
-        if five:
-            sm = mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, False))
-        else:
-            sm = mul_f32x16(k_scales_mins16(w, o + 4), k_d_dmin16(w, o, True))
+        sm = _k_scales_wide(w, o, five)
         b = blk * 8
         s0 = mul_f32x16(sm, load_f32x8_pair(xd, m * nb + b, xs, m * nb + b))
         s1 = mul_f32x16(sm, load_f32x8_pair(xd, (m + 1) * nb + b, xs, (m + 1) * nb + b))
@@ -189,7 +184,7 @@ def _k_x4_wide(isa, xq, xd, xs, m, w, n, five, out, col):  # pragma: no cover - 
         n2 = add_f32x16(n2, s2)
         n3 = add_f32x16(n3, s3)
         x = blk * 256
-        a0, a1, a2, a3 = _k_chunks_x4(isa, xq, w, o + qs0, five, o + 16, m * k + x, (m + 1) * k + x,
+        a0, a1, a2, a3 = _k_chunks_x4(isa, xq, w, o, five, m * k + x, (m + 1) * k + x,
                                       (m + 2) * k + x, (m + 3) * k + x, s0, s1, s2, s3, a0, a1, a2, a3)
     out[m, col] = sum_f32x16(a0) - sum_high8(n0)
     out[m + 1, col] = sum_f32x16(a1) - sum_high8(n1)
