@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -16,6 +17,7 @@ from tessera.engine.params import RequestOutput, SamplingParams
 from tessera.engine.runner import Runner
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import Sequence
+from tessera.engine.speculative import SpeculativeConfig, SpeculativeDecoder, parse_speculative
 from tessera.engine.text_check import surrogate_message
 from tessera.kv import BlockManager
 from tessera.models.load import load_model
@@ -46,6 +48,12 @@ class LLM:
     device : where the weights, the KV cache and each step's tensors live: None for the backend's default
         (``"cuda"`` for ``backend="triton"`` on a GPU, else ``"cpu"``). With a loaded ``Model``, its weights are
         copied there when they live elsewhere.
+    speculative : speculative decoding: None (off), ``"ngram"`` (prompt lookup), ``"draft:PATH"`` (a smaller
+        checkpoint with the same vocabulary), ``"self:FORMAT"`` (this model's weights quantized to ``q4_0`` /
+        ``q4_1`` / ``q8_0``), or a :class:`tessera.engine.speculative.SpeculativeConfig`. Greedy outputs are
+        unchanged and sampled outputs keep their distribution (docs/speculative.md); a request opts out with
+        ``SamplingParams(speculative=False)``.
+    num_draft : the most tokens drafted per sequence and step (1..7; default 4); fewer when they do not pay off.
 
     Examples
     --------
@@ -58,7 +66,9 @@ class LLM:
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 512, page_size: int = 16,
                  num_pages: int | None = None, kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
                  enable_prefix_caching: bool = True, keep_quantized: bool | None = None,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None,
+                 speculative: str | SpeculativeConfig | None = None, num_draft: int | None = None) -> None:
+        spec_config = parse_speculative(speculative, num_draft)  # a bad value fails before the model loads
         if isinstance(model, Model):
             self.model = model if device is None else to_device(model, resolve_device(model.backend, device))
         else:
@@ -69,7 +79,14 @@ class LLM:
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.cache = new_cache(self.model, num_pages, page_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = Runner(self.model, self.cache, self.block_manager)
+        self.speculative: SpeculativeDecoder | None = None
+        if spec_config is not None:
+            from tessera.engine.speculative.decoder import build_proposer
+
+            proposer = build_proposer(spec_config, self.model, num_pages, page_size)
+            self.speculative = SpeculativeDecoder(spec_config, proposer, self.max_len)
+            self.scheduler.on_release = self.speculative.release
+        self.runner = Runner(self.model, self.cache, self.block_manager, self.speculative)
         self._ids = itertools.count()
         self.last_output: RequestOutput | None = None
 
@@ -194,15 +211,27 @@ class LLM:
             "prefix_cache_hit_tokens": sched.num_cached_prompt_tokens,
             "prefix_cache_hit_rate": sched.num_cached_prompt_tokens / prompt if prompt else 0.0,
             "num_preemptions": sched.num_preemptions,
+            **(self.speculative.stats() if self.speculative is not None else {}),
         }
 
     def step(self) -> list[Sequence]:
-        """One engine step: schedule, run, sample, update; returns the sequences that finished."""
+        """One engine step: (draft,) schedule, run, sample (verify), update; returns the sequences that finished."""
+        spec = self.speculative
+        if spec is not None:  # drafts first: the scheduler reserves their slots with the decode's
+            bm = self.block_manager
+            spec.propose([s for s in self.scheduler.running if bm.num_tokens(s.seq_id) == s.num_tokens - 1])
         out = self.scheduler.schedule()
         if not out.scheduled:
             raise RuntimeError("LLM.step: requests are waiting but none could be scheduled: the KV cache is too "
                                "small for the next request; give LLM more num_pages")
-        return self.scheduler.update(out, self.runner.execute(out))
+        start = time.perf_counter()
+        results = self.runner.execute(out)
+        if spec is not None:
+            decodes = [item.num_new for item in out.scheduled if item.start >= len(item.seq.prompt_ids)]
+            if len(decodes) == len(out.scheduled):  # the cost fit takes pure decode steps only
+                spec.observe_step(time.perf_counter() - start, decodes)
+            spec.num_steps += any(item.draft is not None for item in out.scheduled)
+        return self.scheduler.update(out, results)
 
     # ---------------------------------------------------------------------------------------- validation
     def _make_sequences(self, prompts: Seq[Prompt], params) -> list[Sequence]:

@@ -14,7 +14,7 @@ NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 #: fields that must be ints (not bools, not floats); max_tokens, n and top_logprobs check type and range together
 INT_FIELDS = ("top_k",)
 #: fields that must be bools
-BOOL_FIELDS = ("ignore_eos", "logprobs")
+BOOL_FIELDS = ("ignore_eos", "logprobs", "speculative")
 
 
 def _check_types(params: SamplingParams) -> None:
@@ -61,6 +61,9 @@ class SamplingParams(SamplerParams):
     n : independent samples of the prompt (parallel sampling). The prompt is computed once; the samples share its KV
         pages and copy a shared partial page only when they first write to it. With a seed, sample ``i`` draws from
         its own generator seeded ``seed + i`` (so it equals a request with that seed and ``n = 1``).
+    speculative : let the engine's speculative decoding draft tokens for this request (when the engine has a
+        proposer, ``LLM(speculative=...)``); False opts this request out. Greedy outputs are the same either way;
+        sampled outputs are distributed the same (docs/speculative.md).
 
     Examples
     --------
@@ -74,6 +77,7 @@ class SamplingParams(SamplerParams):
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tessera.engine.scheduler import SchedulerOutput
+from tessera.engine.speculative.decoder import SpeculativeDecoder
 from tessera.kernels.sampling import sample
 from tessera.kv import BlockManager, PagedKVCache
 from tessera.models.model import Model
@@ -21,8 +22,10 @@ class Runner:
     block_manager : the allocator whose page ids index ``cache`` (slots and page tables come from it).
     """
 
-    def __init__(self, model: Model, cache: PagedKVCache, block_manager: BlockManager) -> None:
+    def __init__(self, model: Model, cache: PagedKVCache, block_manager: BlockManager,
+                 speculative: SpeculativeDecoder | None = None) -> None:
         self.model, self.cache, self.block_manager = model, cache, block_manager
+        self.speculative = speculative
 
     def build_batch(self, out: SchedulerOutput) -> StepBatch:
         """The step's new tokens, positions' slots and page tables, sequence by sequence."""
@@ -33,6 +36,8 @@ class Runner:
         for item in out.scheduled:
             end = item.start + item.num_new
             ids += item.seq.token_ids[item.start:end]
+            if item.draft is not None:  # the drafted tokens follow the last sampled one (not in the sequence yet)
+                ids += item.draft.tokens
             slots += bm.slot_mapping(item.seq.seq_id, item.start, end)
             q_lens.append(item.num_new)
             kv_lens.append(end)
@@ -51,23 +56,38 @@ class Runner:
         if not out.scheduled:
             return {}
         self.cache.copy_pages(out.page_copies)
-        logits = forward_step(self.model, self.cache, self.build_batch(out))
+        batch = self.build_batch(out)
+        drafted = any(item.draft is not None for item in out.scheduled)
+        # a step with drafts needs the logits of every verified token, and of only the last token elsewhere
+        logit_rows, first_row, offset = [], [], 0
+        for item in out.scheduled:
+            first_row.append(len(logit_rows))
+            width = item.num_new if item.draft is not None else 1
+            logit_rows += range(offset + item.num_new - width, offset + item.num_new)
+            offset += item.num_new
+        logits = forward_step(self.model, self.cache, batch, logit_rows=logit_rows if drafted else None)
+        results: dict = {}
         rows, seqs = [], []
         for r, item in enumerate(out.scheduled):
-            if item.samples:  # the other samples of a parallel-sampling request draw from the same logits row
+            if item.draft is not None:
+                at = first_row[r]
+                verified = self.speculative.verify(item.seq, item.draft, logits[at:at + item.num_new],
+                                                   self.model.backend)
+                results[item.seq.seq_id] = self._with_logprobs(item.seq, verified, logits[at:at + len(verified)])
+            elif item.samples:  # the other samples of a parallel-sampling request draw from the same logits row
                 for seq in (item.seq, *item.seq.pending_children):
                     if seq is item.seq or not seq.is_finished:  # a sample aborted before its fork draws nothing
-                        rows.append(r)
+                        rows.append(first_row[r])
                         seqs.append(seq)
         if not rows:
-            return {}
+            return results
         ids, _ = sample(
             logits[rows], [s.params for s in seqs],
             token_counts=[s.token_ids if s.params.has_penalties else None for s in seqs],
             generators=[s.generator for s in seqs], backend=self.model.backend,
         )
         ids_list = ids.tolist()
-        results = {s.seq_id: (t, 0.0, None) for s, t in zip(seqs, ids_list)}
+        results.update({s.seq_id: (t, 0.0, None) for s, t in zip(seqs, ids_list)})
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
         if want:  # the model's distribution (before penalties, temperature, filters), as OpenAI and vLLM report
             logp = torch.log_softmax(logits[[rows[i] for i in want]].float(), dim=-1)
@@ -80,3 +100,18 @@ class Runner:
                 top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else None
                 results[seqs[i].seq_id] = (ids_list[i], picked[row], top)
         return results
+
+    @staticmethod
+    def _with_logprobs(seq, tokens: list[int], logits: torch.Tensor) -> list[tuple]:
+        """``(token, logprob, top)`` per emitted token of a verified decode; row ``i`` of ``logits`` is the
+        distribution token ``i`` was chosen from."""
+        if not seq.params.logprobs:
+            return [(t, 0.0, None) for t in tokens]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked = logp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=logp.device)[:, None])[:, 0].tolist()
+        n = seq.params.top_logprobs
+        if not n:
+            return [(t, lp, None) for t, lp in zip(tokens, picked)]
+        top_v, top_i = logp.topk(n, dim=-1)
+        return [(t, lp, list(zip(top_i[i].tolist(), top_v[i].tolist()))) for i, (t, lp) in
+                enumerate(zip(tokens, picked))]

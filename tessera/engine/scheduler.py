@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
 
 from tessera.engine.sequence import Sequence, Status
 from tessera.kv.block_manager import BlockManager
@@ -11,16 +13,22 @@ from tessera.kv.block_manager import BlockManager
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """``num_new`` tokens of ``seq`` starting at position ``start`` run this step."""
+    """``num_new`` tokens of ``seq`` starting at position ``start`` run this step.
+
+    A speculative decode carries its ``draft``: the step's tokens are the last sampled token and the drafted ones
+    (``num_new = 1 + len(draft.tokens)``), and every one of their logits rows is verified.
+    """
 
     seq: Sequence
     start: int
     num_new: int
+    draft: Any = None
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's end, so its last logits give the next token."""
-        return self.start + self.num_new == self.seq.num_tokens
+        drafted = len(self.draft.tokens) if self.draft is not None else 0
+        return self.start + self.num_new == self.seq.num_tokens + drafted
 
 
 @dataclass(slots=True)
@@ -74,6 +82,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt tokens admitted for the first time
         self.num_cached_prompt_tokens = 0  # of those, served from the prefix cache
+        #: called with the seq_id of every sequence that finishes or is aborted (speculative decoding frees its
+        #: draft state there)
+        self.on_release: Callable[[int], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request (FCFS)."""
@@ -98,6 +109,8 @@ class Scheduler:
             self.block_manager.free(seq.seq_id)
         if not seq.is_finished:
             seq.abort()
+        if self.on_release is not None:
+            self.on_release(seq.seq_id)
 
     # ---------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -117,14 +130,27 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or bm.num_tokens(seq.seq_id) == seq.num_tokens:
                 continue  # preempted above, or still in its prompt (no sampled token waiting for a slot)
+            draft = self._fit_draft(seq, budget)
             while seq.status is Status.RUNNING and not bm.can_append(seq.seq_id, 1):
                 self._preempt(self.running[-1], out)
             if seq.status is not Status.RUNNING:
                 break  # it was the youngest: everything after it is preempted too
-            out.page_copies += bm.append(seq.seq_id, [seq.output_ids[-1]])
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, 1))
-            budget -= 1
+            drafted = draft.tokens if draft is not None else []
+            out.page_copies += bm.append(seq.seq_id, [seq.output_ids[-1], *drafted])
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed, 1 + len(drafted), draft))
+            budget -= 1 + len(drafted)
         return budget
+
+    def _fit_draft(self, seq: Sequence, budget: int) -> Any:
+        """The sequence's speculative draft cut to what the budget and the free pages allow (drafts never preempt
+        anyone), or None."""
+        draft, seq.draft = seq.draft, None
+        if draft is None:
+            return None
+        n = min(len(draft.tokens), budget - 1)
+        while n > 0 and not self.block_manager.can_append(seq.seq_id, 1 + n):
+            n -= 1
+        return draft.truncated(n) if n > 0 else None
 
     def _schedule_prefill_chunks(self, out: SchedulerOutput, budget: int) -> int:
         decoding = {item.seq.seq_id for item in out.scheduled}
@@ -164,6 +190,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed = 0
+        seq.draft = None
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -178,11 +205,15 @@ class Scheduler:
         ----------
         out : this step's :meth:`schedule` result, after the forward wrote the KV of every scheduled token.
         sampled : ``seq_id -> (token id, logprob[, top alternatives])`` for each scheduled sequence whose chunk
-            reached its end.
+            reached its end; for a speculative decode, the list of such tuples it emits (accepted drafts, then the
+            target's token).
         """
         finished = []
         for item in out.scheduled:
             seq = item.seq
+            if item.draft is not None:
+                self._record_verified(item, sampled[seq.seq_id], finished)
+                continue
             seq.num_computed = item.start + item.num_new
             self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
             if not item.samples:
@@ -200,9 +231,23 @@ class Scheduler:
             self._record(seq, sampled[seq.seq_id], finished)
         return finished
 
+    def _record_verified(self, item: ScheduledSeq, tokens: list[tuple], finished: list[Sequence]) -> None:
+        """A speculative decode: the KV of the last token and of the accepted drafts stays, the rejected drafts'
+        slots are cut (their pages freed), then each emitted token is recorded until the sequence finishes."""
+        seq = item.seq
+        seq.num_computed = item.start + len(tokens)  # the last sampled token + the accepted drafts
+        self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
+        self.block_manager.truncate(seq.seq_id, seq.num_computed)
+        for token in tokens:
+            self._record(seq, token, finished)
+            if seq.is_finished:
+                break
+
     def _record(self, seq: Sequence, token: tuple, finished: list[Sequence]) -> None:
         seq.append_token(*token)
         if seq.is_finished:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
             finished.append(seq)
+            if self.on_release is not None:
+                self.on_release(seq.seq_id)

@@ -60,6 +60,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""
         self.generator = generator
+        self.draft: Any = None  # speculative decoding: the Draft proposed for this step's decode, if any
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         # the longest stop string minus one: how much of the text's end could still grow into a stop string
         self._stop_hold = max((len(s) for s in params.stop), default=1) - 1

@@ -18,11 +18,11 @@ from tessera.kernels.moe import SharedExpert, combine, grouped_matmul, moe_mlp, 
 from tessera.kernels.norms import layer_norm, qk_norm, rms_norm
 from tessera.kernels.quant import QuantizedWeight, dequantize, from_gguf, matmul, qmatmul, quantize
 from tessera.kernels.rope import RotaryEmbedding, apply_rope
-from tessera.kernels.sampling import SamplerParams, argmax, log_softmax, sample, softmax, topk
+from tessera.kernels.sampling import SamplerParams, argmax, filtered_probs, log_softmax, sample, softmax, topk
 
 __all__ = [
     "QuantizedWeight", "RotaryEmbedding", "SamplerParams", "SharedExpert", "apply_rope", "argmax", "combine",
-    "dequantize", "embed", "from_gguf", "gelu", "gelu_and_mul", "gemma_embed_scale", "grouped_matmul", "layer_norm",
+    "dequantize", "embed", "filtered_probs", "from_gguf", "gelu", "gelu_and_mul", "gemma_embed_scale", "grouped_matmul", "layer_norm",
     "lm_head", "log_softmax", "matmul", "moe_mlp", "permute", "qk_norm", "qmatmul", "quantize", "relu", "rms_norm",
     "route", "sample", "silu", "silu_and_mul", "softmax", "topk",
 ]

@@ -228,8 +228,43 @@ def sample(
     return registry.resolve("sample", backend, logits.device)(logits, tensors)
 
 
-def build_batch(params: list[SamplerParams], vocab: int, token_counts, generators) -> SamplingBatch:
-    """Pack per-row params, seen-token counts and each row's uniform draw into a :class:`SamplingBatch`."""
+def filtered_probs(
+    logits: torch.Tensor,
+    params: Sequence[SamplerParams],
+    *,
+    token_counts: torch.Tensor | Sequence[Sequence[int] | None] | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The distribution :func:`sample` draws each row from: penalties -> temperature -> top-k -> top-p -> min-p,
+    renormalized. Greedy rows are a point mass on the argmax of the penalized logits.
+
+    Speculative decoding's accept/reject rule compares these distributions of the target and the draft.
+
+    Parameters
+    ----------
+    logits : torch.Tensor ``[B, V]``, float32 / bfloat16 / float16; every row needs a finite logit.
+    params : list of B :class:`SamplerParams`.
+    token_counts : the tokens each row has seen, as in :func:`sample`.
+    backend : "auto", "reference", "cpu" or "triton"
+
+    Returns
+    -------
+    torch.Tensor ``[B, V]`` float32 on logits' device; zero for filtered-out tokens, rows summing to 1.
+    """
+    _check_logits("filtered_probs", logits)
+    batch, vocab = logits.shape
+    params = list(params)
+    if len(params) != batch or not all(isinstance(p, SamplerParams) for p in params):
+        raise ValueError(f"filtered_probs: params must be a list of {batch} SamplerParams (one per row of logits), "
+                         f"got {len(params)} items")
+    tensors = build_batch(params, vocab, token_counts, None, draw=False)
+    return registry.resolve("filtered_probs", backend, logits.device)(logits, tensors)
+
+
+def build_batch(params: list[SamplerParams], vocab: int, token_counts, generators, draw: bool = True
+                ) -> SamplingBatch:
+    """Pack per-row params, seen-token counts and each row's uniform draw into a :class:`SamplingBatch`
+    (``draw=False``: no draw, ``uniform`` is zeros and no generator advances)."""
     f64 = torch.float64
 
     def col(values: list) -> torch.Tensor:
@@ -242,7 +277,7 @@ def build_batch(params: list[SamplerParams], vocab: int, token_counts, generator
         top_p=col([p.top_p for p in params]), min_p=col([p.min_p for p in params]),
         repetition=col([p.repetition_penalty for p in params]), presence=col([p.presence_penalty for p in params]),
         frequency=col([p.frequency_penalty for p in params]), seen_ptr=ptr, seen_ids=ids, seen_counts=counts,
-        uniform=_uniforms(params, generators),
+        uniform=_uniforms(params, generators) if draw else torch.zeros(len(params), dtype=f64),
     )
 
 

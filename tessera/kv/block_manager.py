@@ -325,6 +325,37 @@ class BlockManager:
         if self._prefix_caching:
             self._register_full_pages(seq)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Drop ``seq_id``'s tokens past the first ``num_tokens``, releasing pages that no longer hold any.
+
+        Speculative decoding appends drafted tokens and, after verification, cuts the rejected ones. Only tokens
+        whose KV is not marked computed may go (``num_tokens >= num_computed_tokens``): those pages are never in the
+        prefix cache, so nothing stale can be served. The last page kept is private (``append`` copied it if it
+        was shared), so trimming its token list changes no other sequence.
+        """
+        seq = self._seq(seq_id)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (
+            seq.num_computed <= num_tokens <= seq.num_tokens
+        ):
+            raise ValueError(
+                f"truncate: sequence {seq_id!r} has {seq.num_computed} computed of {seq.num_tokens} tokens; only "
+                f"uncomputed tokens can be dropped, so num_tokens must be an int in [{seq.num_computed}, "
+                f"{seq.num_tokens}], got {num_tokens!r}"
+            )
+        if num_tokens == seq.num_tokens:
+            return
+        ps = self._page_size
+        keep_pages = math.ceil(num_tokens / ps)
+        if keep_pages and num_tokens % ps and self._pages[seq.page_table[keep_pages - 1]].ref_count > 1:
+            raise ValueError(f"truncate: sequence {seq_id!r} shares page {seq.page_table[keep_pages - 1]}, which "
+                             f"would be cut at token {num_tokens}; only tokens appended since the last fork can go")
+        for page_id in reversed(seq.page_table[keep_pages:]):
+            self._release(page_id)
+        del seq.page_table[keep_pages:]
+        if keep_pages:
+            del self._pages[seq.page_table[-1]].token_ids[num_tokens - (keep_pages - 1) * ps:]
+        seq.num_tokens = num_tokens
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share every page of ``parent_id`` (parallel sampling, beam search). Takes no page."""
         parent = self._seq(parent_id)

@@ -87,11 +87,14 @@ def fused_decode_op(model: Model) -> Callable | None:
 
 
 def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False,
-                 fused: bool = True) -> torch.Tensor:
+                 logit_rows: list[int] | None = None, fused: bool = True) -> torch.Tensor:
     """Run one step; return float32 logits of each sequence's last new token ``[num_seqs, vocab]``.
 
     With ``all_logits=True`` it returns the logits of every new token ``[T, vocab]`` (speculative verification,
     prompt logprobs). Sequences with ``q_len = 0`` are skipped (their row is absent from the result).
+    ``logit_rows`` (token rows in ``[0, T)``) returns exactly those rows' logits ``[len(logit_rows), vocab]``
+    instead: a speculative step needs every drafted position of its verified sequences but only the last of a
+    prompt chunk, and the LM head is the costliest op of a long chunk.
     ``fused=False`` forces the per-op path even where the backend's fused decode step applies (the optional
     ``fused_decode_layers`` op, e.g. :mod:`tessera.backends.cpu.ops.fused_decode`; tests compare the two).
     """
@@ -125,7 +128,12 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
     h = fused_layers(model, cache, step, positions, ropes, plan_for) if fused_layers is not None else None
     if h is None:
         h = decoder(config, w, step.token_ids.long(), positions, ropes, attend, backend)
-    if not all_logits:
+    if logit_rows is not None:
+        t = int(step.token_ids.numel())
+        if any(not 0 <= r < t for r in logit_rows):
+            raise ValueError(f"forward_step: logit_rows must be token rows in [0, {t}), got {list(logit_rows)}")
+        h = h[torch.tensor(logit_rows, dtype=torch.int64, device=device)]
+    elif not all_logits:
         ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0],
                             dtype=torch.int64, device=device)
         h = h[ends]

@@ -62,6 +62,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens served from the prefix cache."),
     "prefix_cache_hit_rate": ("gauge", "prefix_cache_hit_tokens_total / prefix_cache_queried_tokens_total."),
     "num_preemptions_total": ("counter", "Requests preempted (their KV freed, recomputed later)."),
+    "spec_draft_tokens_total": ("counter", "Speculative decoding: tokens drafted and verified."),
+    "spec_accepted_tokens_total": ("counter", "Speculative decoding: drafted tokens the target accepted."),
+    "spec_acceptance_rate": ("gauge", "spec_accepted_tokens_total / spec_draft_tokens_total."),
+    "spec_mean_accepted_length": ("gauge", "Tokens emitted per verified sequence-step (accepted drafts + 1)."),
+    "spec_draft_seconds_total": ("counter", "Seconds spent drafting (proposer forwards and lookups)."),
 }
 
 # Engine stats key (LLM.stats() plus the loop's queue) -> metric name.
@@ -74,6 +79,11 @@ _ENGINE_GAUGES = {
     "prefix_cache_hit_tokens": "prefix_cache_hit_tokens_total",
     "prefix_cache_hit_rate": "prefix_cache_hit_rate",
     "num_preemptions": "num_preemptions_total",
+    "spec_draft_tokens": "spec_draft_tokens_total",
+    "spec_accepted_tokens": "spec_accepted_tokens_total",
+    "spec_acceptance_rate": "spec_acceptance_rate",
+    "spec_mean_accepted_length": "spec_mean_accepted_length",
+    "spec_draft_seconds": "spec_draft_seconds_total",
 }
 
 

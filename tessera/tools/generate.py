@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tessera.tools.placement_flags import add_placement_flags
+from tessera.tools.speculative_flags import add_speculative_flags, speculative_args
 from tessera.tools.weight_flags import add_weight_flags, keep_quantized
 
 if TYPE_CHECKING:  # the command imports torch and the engine only when it runs
@@ -50,6 +51,7 @@ def add_parser(commands) -> None:
                         "on a backend that needs no compiling while they compile in the background")
     add_placement_flags(p)
     add_weight_flags(p)
+    add_speculative_flags(p)
     p.set_defaults(run=_run)
 
 
@@ -76,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         from tessera.tools.warmup import CompileProgress, warm_up
 
         phases.imported = time.perf_counter()
+        speculative = speculative_args(args)
         load_times: dict[str, float] = {}
         model = load_model(args.model, dtype=args.dtype, backend=args.backend, keep_quantized=keep_quantized(args),
                            device=args.device, timings=load_times)
@@ -91,7 +94,8 @@ def _run(args: argparse.Namespace) -> int:
         quick = _quick_start(args, model)
         if quick is not None:
             model = dataclasses.replace(model, backend=quick)
-        llm = LLM(model, max_num_seqs=1, page_size=PAGE_SIZE, num_pages=_pages_needed(model, prompt, params))
+        llm = LLM(model, max_num_seqs=1, page_size=PAGE_SIZE, num_pages=_pages_needed(model, prompt, params),
+                  **speculative)
         phases.engine = time.perf_counter()
     progress = CompileProgress(verbose=args.verbose)
     with kernel_clock(progress.on_compile, progress.on_compiled) as clock:
@@ -114,6 +118,8 @@ def _run(args: argparse.Namespace) -> int:
         print(_speeds(out, phases, clock), file=sys.stderr)
         if upgrade is not None:
             print(upgrade.summary(len(out.token_ids)), file=sys.stderr)
+        if llm.speculative is not None:
+            print(_speculation(llm.stats()), file=sys.stderr)
     if args.verbose:
         print(_breakdown(phases, load_times, clock, out, getattr(args, "owns_process", False)), file=sys.stderr)
     if getattr(args, "owns_process", False):
@@ -232,6 +238,13 @@ def _speeds(out: RequestOutput, phases: _Phases, clock: KernelClock) -> str:
     if late > 0:  # a path the warm-up did not take (a longer prompt's GEMM); its compile is not in the speeds
         line += f"; {late:.1f} s compiling kernels during the request, excluded"
     return line + "]"
+
+
+def _speculation(stats: dict[str, float]) -> str:
+    """The speculative decoding line: drafted and accepted tokens, and tokens per verified step."""
+    return (f"[speculative: {stats['spec_draft_tokens']} drafted, {stats['spec_accepted_tokens']} accepted "
+            f"({stats['spec_acceptance_rate']:.0%}); {stats['spec_mean_accepted_length']:.2f} tokens per verified "
+            f"step; {stats['spec_draft_seconds']:.2f} s drafting]")
 
 
 def _rate(tokens_per_s: float, decimals: int) -> str:

@@ -139,6 +139,24 @@ def test_sample_matches_reference(backend, dtype, vocab, gen):
     assert torch.allclose(lps.double(), want_lps, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 7, 1000])
+def test_filtered_probs_match_reference_and_hold_the_sampled_token(backend, dtype, vocab, gen):
+    """The distribution speculative verification compares: the sampler's own, every sampled token inside it."""
+    x = _logits(gen, (len(CONFIGS), vocab), dtype)
+    seen = [torch.randint(0, vocab, (20,), generator=gen).tolist() for _ in CONFIGS]
+    probs = ks.filtered_probs(x, CONFIGS, token_counts=seen, backend=backend)
+    want = ref.filtered_probs_f64(x, build_batch(CONFIGS, vocab, seen, None))
+    assert probs.dtype == torch.float32 and probs.shape == (len(CONFIGS), vocab)
+    assert torch.allclose(probs.double(), want, atol=1e-5, rtol=1e-4)
+    params = [SamplerParams(**{**_fields(p), "seed": 7 + i}) for i, p in enumerate(CONFIGS)]
+    ids, _ = ks.sample(x, params, token_counts=seen, backend=backend)
+    assert bool((probs.gather(1, ids[:, None].to(probs.device)) > 0).all())
+    with pytest.raises(ValueError, match="params must be a list of 8 SamplerParams"):
+        ks.filtered_probs(x, CONFIGS[:2], backend=backend)
+
+
 def _fields(p: SamplerParams) -> dict:
     return {name: getattr(p, name) for name in SamplerParams.__slots__}
 

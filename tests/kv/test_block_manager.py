@@ -353,6 +353,34 @@ def test_a_cached_hit_leaves_the_evictable_pool() -> None:
     bm.check_invariants()
 
 
+def test_truncate_drops_uncomputed_tokens_and_frees_their_pages() -> None:
+    bm = BlockManager(num_pages=8, page_size=4)
+    bm.allocate(0, [1, 2, 3, 4, 5, 6])
+    bm.mark_computed(0, 6)
+    bm.append(0, [7, 8, 9, 10, 11])  # a decode token and four drafted ones: pages 1 and 2
+    assert bm.num_free_pages == 5
+    bm.truncate(0, 7)  # keep one drafted token
+    assert bm.token_ids(0) == [1, 2, 3, 4, 5, 6, 7] and bm.page_table(0) == [0, 1] and bm.num_free_pages == 6
+    bm.check_invariants()
+    with pytest.raises(ValueError, match=r"only uncomputed tokens can be dropped.*\[6, 7\]"):
+        bm.truncate(0, 5)
+    with pytest.raises(ValueError, match=r"\[6, 7\]"):
+        bm.truncate(0, 8)
+
+
+def test_truncate_refuses_to_cut_a_shared_page() -> None:
+    bm = BlockManager(num_pages=8, page_size=4)
+    bm.allocate(0, [1, 2, 3, 4, 5, 6])
+    bm.fork(0, 1)
+    with pytest.raises(ValueError, match="shares page 1"):
+        bm.truncate(1, 5)
+    bm.truncate(1, 6)  # nothing to cut: fine
+    bm.append(1, [7, 8])  # copy-on-write makes the last page private
+    bm.truncate(1, 6)
+    assert bm.token_ids(1) == [1, 2, 3, 4, 5, 6] and bm.token_ids(0) == [1, 2, 3, 4, 5, 6]
+    bm.check_invariants()
+
+
 def test_check_invariants_catches_corruption() -> None:
     bm = BlockManager(num_pages=4, page_size=2)
     computed(bm, 0, [1, 2, 3])
@@ -452,6 +480,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in copies:
             self.device[dst * ps : (dst + 1) * ps] = self.device[src * ps : (src + 1) * ps]
         self.tokens[seq_id] += new
+
+    @rule(index=SEQ_INDEX, drop=st.integers(0, 8))
+    def truncate(self, index: int, drop: int) -> None:
+        """Speculative decoding's rollback: cut uncomputed tokens; their pages (none shared, none cached) return."""
+        seq_id = self.pick(index)
+        if seq_id is None:
+            return
+        ps, keep = self.bm.page_size, max(self.computed[seq_id], len(self.tokens[seq_id]) - drop)
+        table = self.bm.page_table(seq_id)
+        cut_page = table[keep // ps] if keep % ps and keep < len(self.tokens[seq_id]) else None
+        if cut_page is not None and self.bm.ref_count(cut_page) > 1:
+            with pytest.raises(ValueError, match="shares page"):
+                self.bm.truncate(seq_id, keep)
+            return
+        released = [p for p in table[-(-keep // ps):] if self.bm.ref_count(p) == 1]
+        free_before = self.bm.num_free_pages
+        self.bm.truncate(seq_id, keep)
+        self.tokens[seq_id] = self.tokens[seq_id][:keep]
+        assert self.bm.page_table(seq_id) == table[: -(-keep // ps)]
+        assert self.bm.num_free_pages == free_before + len(released)
 
     @rule(index=SEQ_INDEX)
     def fork(self, index: int) -> None:

@@ -234,4 +234,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     return ids, logprobs
 
 
-OPS = {"softmax": softmax, "log_softmax": log_softmax, "argmax": argmax, "topk": topk, "sample": sample}
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampler's distribution per row in float32 torch ops (speculative verification needs few rows, so the
+    reference's sort-based filters are fast enough and define the same kept sets)."""
+    from tessera.backends.reference.ops.sampling import filter_logits
+
+    return torch.softmax(filter_logits(logits, batch, torch.float32), dim=-1)
+
+
+OPS = {"softmax": softmax, "log_softmax": log_softmax, "argmax": argmax, "topk": topk, "sample": sample,
+       "filtered_probs": filtered_probs}

@@ -130,4 +130,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     return ids, logprobs.float()
 
 
-OPS = {"softmax": softmax, "log_softmax": log_softmax, "argmax": argmax, "topk": topk, "sample": sample}
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    return filtered_probs_f64(logits, batch).float()
+
+
+OPS = {"softmax": softmax, "log_softmax": log_softmax, "argmax": argmax, "topk": topk, "sample": sample,
+       "filtered_probs": filtered_probs}
