@@ -214,6 +214,24 @@ def test_qgemv_kernels_write_every_output(variant: str, fmt: str, gen: torch.Gen
 
 @pytest.mark.parametrize("variant", [v for v in QGEMV if v != "portable"])
 @pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
+@pytest.mark.parametrize("k", [32, 64 + 32, 576, 1536 + 32])  # 1 block, odd counts, SmolLM2's widths
+def test_qgemv_rows_do_not_depend_on_their_neighbours(variant: str, fmt: str, k: int, gen: torch.Generator) -> None:
+    """A token's output row is bit-identical whether it runs alone or among other rows (four-row blocks, pairs,
+    tails): speculative verification and batched decode must reproduce a lone decode's greedy token exactly."""
+    _runnable(variant)
+    token = _qdot._TOKENS[variant]
+    qw = Q.quantize(torch.randn(37, k, generator=gen), fmt, 32)
+    x = torch.randn(9, k, generator=gen)
+    together = _qdot.qmatmul(x, qw, token, True)
+    for m in range(9):
+        alone = _qdot.qmatmul(x[m:m + 1], qw, token, True)
+        assert torch.equal(together[m], alone[0]), f"{variant} {fmt} K={k}: row {m} differs in a batch of 9"
+        if m + 5 <= 9:
+            assert torch.equal(_qdot.qmatmul(x[m:m + 5], qw, token, True)[0], alone[0])
+
+
+@pytest.mark.parametrize("variant", [v for v in QGEMV if v != "portable"])
+@pytest.mark.parametrize("fmt", ["int4", "int4_min", "int8"])
 def test_qgemv_every_block_count(variant: str, fmt: str, gen: torch.Generator) -> None:
     """Group-32 rows of 1 to 9 blocks: the 512-bit rows take blocks four, then two at a time and finish an odd one
     on 256-bit vectors, so every count modulo 4 and the one-block row are checked; one x row and five (a block of

@@ -154,27 +154,51 @@ def _g32_row_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compile
 def _g32_x4_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
     """Group-32 weight row ``n`` (int4 or int8, as :func:`_g32_row_narrow`) dotted with activation rows
     ``m .. m + 3``: each block's codes unpacked and its scale loaded once for the four rows. Returns the four dots
-    (for int4 without the zero-point terms)."""
+    (for int4 without the zero-point terms). Each row is accumulated as :func:`_g32_row_narrow` does (even blocks
+    on one chain, odd on another), so its bits do not depend on the rows that share the call."""
     nb = xd.shape[1]
     k = xq.shape[1]
     per = w.shape[1] // nb
     s = n * scales.shape[1]
     r = n * w.shape[1]
-    acc0 = zero_f32x8()
-    acc1 = zero_f32x8()
-    acc2 = zero_f32x8()
-    acc3 = zero_f32x8()
+    a0 = zero_f32x8()
+    a1 = zero_f32x8()
+    a2 = zero_f32x8()
+    a3 = zero_f32x8()
+    e0 = zero_f32x8()
+    e1 = zero_f32x8()
+    e2 = zero_f32x8()
+    e3 = zero_f32x8()
     x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
     d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
-    for b in range(nb):
+    b = 0
+    while b + 1 < nb:
         c = block_codes(w, r + b * per)
         sw = load_f32(scales, s + b)
         o = b * BLOCK
-        acc0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), acc0)
-        acc1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), acc1)
-        acc2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), acc2)
-        acc3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), acc3)
-    return sum_f32x8(acc0), sum_f32x8(acc1), sum_f32x8(acc2), sum_f32x8(acc3)
+        a0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), a0)
+        a1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), a1)
+        a2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), a2)
+        a3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), a3)
+        c = block_codes(w, r + (b + 1) * per)
+        sw = load_f32(scales, s + b + 1)
+        o += BLOCK
+        e0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b + 1), e0)
+        e1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b + 1), e1)
+        e2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b + 1), e2)
+        e3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b + 1), e3)
+        b += 2
+    while b < nb:  # an odd block count (a loop, not an if: see _offset)
+        c = block_codes(w, r + b * per)
+        sw = load_f32(scales, s + b)
+        o = b * BLOCK
+        a0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), a0)
+        a1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), a1)
+        a2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), a2)
+        a3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), a3)
+        b += 1
+    return (sum_f32x8(add_f32x8(a0, e0)), sum_f32x8(add_f32x8(a1, e1)), sum_f32x8(add_f32x8(a2, e2)),
+            sum_f32x8(add_f32x8(a3, e3)))
 
 
 # ---------------------------------------------------------------------------------------- width dispatch
@@ -224,16 +248,11 @@ def _int4_row(isa, xq, xd, m, packed, scales, group, n):  # pragma: no cover - c
 def _int4_row_x4(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out):  # pragma: no cover - compiled
     """Row ``n`` of group-32 int4 weights dotted with activation rows ``m .. m + 3`` into ``out[m:m + 4, n]``."""
     y0, y1, y2, y3 = _g32_x4(isa, xq, xd, m, packed, scales, n)
-    for g in range(scales.shape[1]):  # the zero-point or min term of the four rows, each offset loaded once
-        off = _offset(offsets, scales, keep, n, g)
-        y0 += off * gsums[m, g]
-        y1 += off * gsums[m + 1, g]
-        y2 += off * gsums[m + 2, g]
-        y3 += off * gsums[m + 3, g]
-    out[m, n] = y0
-    out[m + 1, n] = y1
-    out[m + 2, n] = y2
-    out[m + 3, n] = y3
+    # each row's zero-point or min term summed on its own and added last, as a single row adds it: the same bits
+    out[m, n] = y0 + _int4_offsets(gsums[m], scales, offsets, keep, n)
+    out[m + 1, n] = y1 + _int4_offsets(gsums[m + 1], scales, offsets, keep, n)
+    out[m + 2, n] = y2 + _int4_offsets(gsums[m + 2], scales, offsets, keep, n)
+    out[m + 3, n] = y3 + _int4_offsets(gsums[m + 3], scales, offsets, keep, n)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -270,14 +289,8 @@ def _int4_row_pair(isa, xq, xd, gsums, m, packed, scales, offsets, keep, n, out)
         a0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r0 + b * 16), x0), load_f32(scales, s0 + b) * d0, a0)
         b0 = fma_i32(dot_u8s8(isa, nibbles16(packed, r1 + b * 16), x0), load_f32(scales, s1 + b) * d0, b0)
         b += 1
-    y0 = np.float32(0.0)
-    y1 = np.float32(0.0)
-    for g in range(ng):
-        gs = gsums[m, g]
-        y0 += _offset(offsets, scales, keep, n, g) * gs
-        y1 += _offset(offsets, scales, keep, n + 1, g) * gs
-    out[m, n] = sum_f32x8(add_f32x8(a0, a1)) + y0
-    out[m, n + 1] = sum_f32x8(add_f32x8(b0, b1)) + y1
+    out[m, n] = sum_f32x8(add_f32x8(a0, a1)) + _int4_offsets(gsums[m], scales, offsets, keep, n)
+    out[m, n + 1] = sum_f32x8(add_f32x8(b0, b1)) + _int4_offsets(gsums[m], scales, offsets, keep, n + 1)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")

@@ -71,31 +71,57 @@ def g32_row(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def g32_x4(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
     """Group-32 weight row ``n`` dotted with activation rows ``m .. m + 3``: each pair of blocks unpacked once for the
-    four rows. Returns the four dots (for int4 without the zero-point terms)."""
+    four rows. Returns the four dots (for int4 without the zero-point terms).
+
+    Each row is accumulated exactly as :func:`g32_row` accumulates it (the same two chains over the same blocks,
+    the same final sums), so a token's result does not depend on how many rows share the call: speculative
+    verification (several tokens of a sequence) and batched decode then give the bits a lone decode gives."""
     nb = xd.shape[1]
     k = xq.shape[1]
     per = w.shape[1] // nb
     s = n * scales.shape[1]
     r = n * w.shape[1]
-    acc0 = zero_f32x16()
-    acc1 = zero_f32x16()
-    acc2 = zero_f32x16()
-    acc3 = zero_f32x16()
+    a0 = zero_f32x16()
+    a1 = zero_f32x16()
+    a2 = zero_f32x16()
+    a3 = zero_f32x16()
+    b0 = zero_f32x16()
+    b1 = zero_f32x16()
+    b2 = zero_f32x16()
+    b3 = zero_f32x16()
     x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
     d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
     b = 0
-    while b + 1 < nb:
+    while b + 3 < nb:
+        c = block_codes_x2(w, r + b * per)
+        e = block_codes_x2(w, r + (b + 2) * per)
+        o = b * BLOCK
+        p = o + 2 * BLOCK
+        a0 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x0 + o)), scales_x2(scales, s + b, xd, d0 + b), a0)
+        a1 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x1 + o)), scales_x2(scales, s + b, xd, d1 + b), a1)
+        a2 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x2 + o)), scales_x2(scales, s + b, xd, d2 + b), a2)
+        a3 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x3 + o)), scales_x2(scales, s + b, xd, d3 + b), a3)
+        b0 = fma_i32x16(dot_codes_x2(isa, w, e, load_i8x64(xq, x0 + p)),
+                        scales_x2(scales, s + b + 2, xd, d0 + b + 2), b0)
+        b1 = fma_i32x16(dot_codes_x2(isa, w, e, load_i8x64(xq, x1 + p)),
+                        scales_x2(scales, s + b + 2, xd, d1 + b + 2), b1)
+        b2 = fma_i32x16(dot_codes_x2(isa, w, e, load_i8x64(xq, x2 + p)),
+                        scales_x2(scales, s + b + 2, xd, d2 + b + 2), b2)
+        b3 = fma_i32x16(dot_codes_x2(isa, w, e, load_i8x64(xq, x3 + p)),
+                        scales_x2(scales, s + b + 2, xd, d3 + b + 2), b3)
+        b += 4
+    while b + 1 < nb:  # at most once
         c = block_codes_x2(w, r + b * per)
         o = b * BLOCK
-        acc0 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x0 + o)), scales_x2(scales, s + b, xd, d0 + b), acc0)
-        acc1 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x1 + o)), scales_x2(scales, s + b, xd, d1 + b), acc1)
-        acc2 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x2 + o)), scales_x2(scales, s + b, xd, d2 + b), acc2)
-        acc3 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x3 + o)), scales_x2(scales, s + b, xd, d3 + b), acc3)
+        a0 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x0 + o)), scales_x2(scales, s + b, xd, d0 + b), a0)
+        a1 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x1 + o)), scales_x2(scales, s + b, xd, d1 + b), a1)
+        a2 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x2 + o)), scales_x2(scales, s + b, xd, d2 + b), a2)
+        a3 = fma_i32x16(dot_codes_x2(isa, w, c, load_i8x64(xq, x3 + o)), scales_x2(scales, s + b, xd, d3 + b), a3)
         b += 2
-    y0 = sum_f32x16(acc0)
-    y1 = sum_f32x16(acc1)
-    y2 = sum_f32x16(acc2)
-    y3 = sum_f32x16(acc3)
+    y0 = sum_f32x16(add_f32x16(a0, b0))
+    y1 = sum_f32x16(add_f32x16(a1, b1))
+    y2 = sum_f32x16(add_f32x16(a2, b2))
+    y3 = sum_f32x16(add_f32x16(a3, b3))
     while b < nb:  # an odd block count: the last block on 256-bit vectors
         c8 = block_codes(w, r + b * per)
         sw = load_f32(scales, s + b)
