@@ -59,10 +59,10 @@ class SpeculativeDecoder:
     max_len : the context length (no draft reaches past it).
 
     How many tokens a sequence drafts (``adaptive``): with acceptance rate ``a`` (a decayed count per sequence),
-    ``k`` drafts yield ``(1 - a^(k+1)) / (1 - a)`` tokens per step on average, at a cost of ``1 + k r`` one-token
-    steps, where ``r`` is one drafted token's measured cost (the proposer's time per drafted token plus the
-    target's extra time per verified token; :class:`~tessera.engine.speculative.costs.StepCosts`) over a
-    one-token step's. The ``k`` in ``0..num_draft`` with the best ratio wins, so a draft that does not pay for itself
+    ``k`` drafts yield ``(1 - a^(k+1)) / (1 - a)`` tokens per step on average, at a cost of
+    ``1 + f + (k - 1) n + k v`` one-token target steps: ``f`` and ``n`` a draft model's first and each further
+    forward (0 for the n-gram lookup), ``v`` the target's extra time per verified token, all measured
+    (:class:`~tessera.engine.speculative.costs.StepCosts`). The ``k`` in ``0..num_draft`` with the best ratio wins, so a draft that does not pay for itself
     stops being made (a probe every few steps lets the estimate recover).
     """
 
@@ -101,10 +101,13 @@ class SpeculativeDecoder:
     def _best_k(self, seq_id: int, limit: int) -> int:
         acc, seen = self._acceptance.get(seq_id) or _PRIOR[self.config.method]
         a = min(acc / seen, 0.999) if seen > 0 else 0.0
-        r = self.costs.draft_token_ratio(self.proposer.costs_forward)
+        first, following, verify = self.costs.ratios()
+        if not self.proposer.costs_forward:
+            first = following = 0.0
         best_k, best = 0, 1.0
         for k in range(1, limit + 1):
-            value = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + k * r)
+            cost = 1.0 + first + (k - 1) * following + k * verify
+            value = (1.0 - a ** (k + 1)) / (1.0 - a) / cost
             if value > best * 1.02:  # a draft must win clearly: its cost estimate is noisy
                 best_k, best = k, value
         return best_k
@@ -124,12 +127,11 @@ class SpeculativeDecoder:
         drafts = self.proposer.propose([s for s, _ in wanted], [k for _, k in wanted])
         elapsed = time.perf_counter() - start
         self.draft_seconds += elapsed
-        made = 0
         for (seq, _), draft in zip(wanted, drafts):
             seq.draft = draft if draft.tokens else None
-            made += len(draft.tokens)
-        if made and self.proposer.costs_forward:
-            self.costs.observe_draft(elapsed / made)
+        timing = getattr(self.proposer, "last_timing", None)
+        if timing is not None:
+            self.costs.observe_draft(*timing)
 
     def observe_step(self, seconds: float, tokens_per_seq: list[int]) -> None:
         """Record a target step's time and each scheduled decode's token count (1 + its drafts) for the cost fit."""

@@ -3,6 +3,8 @@ own paged KV cache, kept in step with each target sequence."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tessera.engine.sequence import Sequence
@@ -76,6 +78,11 @@ class DraftModelProposer:
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.cache = new_cache(model, num_pages, page_size)
         self._fed: dict[int, list[int]] = {}  # seq_id -> tokens whose KV is in the draft cache
+        #: the last proposal's forward times in seconds per sequence: (first, mean of the rest), None where not
+        #: measured. The first is kept only when it fed at most two tokens per sequence (a steady draft step); a
+        #: longer catch-up (the prompt, or the tokens decoded while drafting paused) is not what drafting costs
+        #: from step to step.
+        self.last_timing: tuple[float | None, float | None] = (None, None)
 
     def release(self, seq_id: int) -> None:
         if seq_id in self._fed:
@@ -93,7 +100,10 @@ class DraftModelProposer:
                 feeds.append(new)
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        first, following = None, []
         while active:
+            start = time.perf_counter()
+            steady = max(len(f) for f in feeds) <= 2
             logits = self._forward([seqs[i] for i in active], feeds)
             greedy = [i for i in active if seqs[i].params.temperature == 0 and not seqs[i].params.has_penalties]
             rows = {i: r for r, i in enumerate(active)}
@@ -113,7 +123,14 @@ class DraftModelProposer:
                 if len(tokens[i]) < max_tokens[i] and bm.can_append(seqs[i].seq_id, 1):
                     next_active.append(i)
                     next_feeds.append([drawn[i]])
+            per_seq = (time.perf_counter() - start) / len(active)
+            if first is None:
+                first = per_seq if steady else float("nan")
+            else:
+                following.append(per_seq)
             active, feeds = next_active, next_feeds
+        self.last_timing = (first if first is not None and first == first else None,
+                            sum(following) / len(following) if following else None)
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _sync(self, seq: Sequence) -> list[int] | None:
