@@ -102,6 +102,50 @@ def test_fused_decode_equals_per_op_path(name, dtype, tmp_path, fused_calls, wor
     assert fused_calls == [True] * 4  # fused=False steps never ask
 
 
+#: the new tokens of each step of :func:`test_fused_verification_steps_equal_per_op_path`, per sequence: batch 1 with
+#: 2, 5 and 8 new tokens (a speculative verification of 1, 4 and 7 drafted tokens), then batches of mixed counts
+_VERIFY_STEPS = ({0: 2}, {0: 5}, {0: 8}, {0: 1, 1: 4, 2: 3}, {1: 3, 2: 5}, {0: 3, 1: 1, 2: 4})
+
+
+def _extend(seqs: dict[int, list[int]], new: dict[int, int], salt: int) -> dict[int, list[int]]:
+    """The sequences of ``new`` with ``new[s]`` more tokens each (made up from their lengths)."""
+    return {s: seqs[s] + [(salt * s + len(seqs[s]) + j) % 211 for j in range(n)] for s, n in new.items()}
+
+
+def _verify_steps(model, caches, seqs, tables, steps, salt: int) -> None:
+    """Run ``steps`` (new tokens per sequence, each step's sequences in order) fused on ``caches[0]`` and per-op on
+    ``caches[1]``, asking for every token row's logits: equal logits and equal caches after every step."""
+    for new in steps:
+        grown = _extend(seqs, new, salt)
+        step = _step(grown, new, {s: tables[s] for s in new})
+        fused = forward_step(model, caches[0], step, all_logits=True)
+        per_op = forward_step(model, caches[1], step, all_logits=True, fused=False)
+        assert fused.shape == per_op.shape == (sum(new.values()), model.config.vocab_size)
+        torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
+        for layer in range(model.config.num_layers):
+            torch.testing.assert_close(caches[0].k_pages[layer], caches[1].k_pages[layer], **TOL[model.dtype])
+            torch.testing.assert_close(caches[0].v_pages[layer], caches[1].v_pages[layer], **TOL[model.dtype])
+        seqs = {**seqs, **grown}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_fused_verification_steps_equal_per_op_path(name, dtype, tmp_path, fused_calls, workers):
+    """Steps with several new tokens per sequence (speculative verification: the last accepted token and up to 7
+    drafted ones) run fused and equal the per-op path in every token row's logits and in the cache. The new tokens
+    attend to each other causally (masked segments of the plan), and gemma2's window of 5 is narrower than a step of
+    8, so its masks differ from query to query."""
+    model = _model(name, tmp_path, dtype)
+    gen = torch.Generator().manual_seed(11)
+    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((11, 3, 7))}
+    tables = {0: [9, 2, 12, 5, 0, 15, 8, 10], 1: [3, 14, 7], 2: [1, 11, 6, 13, 4]}  # shuffled, partial last pages
+    caches = [new_cache(model, num_pages=16, page_size=PAGE) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+    _verify_steps(model, caches, seqs, tables, _VERIFY_STEPS, salt=7)
+    assert fused_calls == [True] * len(_VERIFY_STEPS)
+
+
 def test_replaced_weights_are_used_by_the_next_fused_step(tmp_path, fused_calls):
     """The kernel's weight views are cached per model, never stale: replacing a projection rebuilds them."""
     model = _model("llama", tmp_path)
@@ -122,14 +166,20 @@ def test_replaced_weights_are_used_by_the_next_fused_step(tmp_path, fused_calls)
 
 
 def test_fused_decode_declines_what_it_cannot_run(tmp_path, fused_calls, monkeypatch):
+    """More than SMALL_M (8) tokens in a step, a prefill-shaped sequence among them, or a sequence without new tokens
+    goes per-op; a step of a few new tokens per sequence (a verification) is taken."""
     model = _model("llama", tmp_path)
-    tokens = torch.randint(0, 211, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    gen = torch.Generator().manual_seed(6)
+    a, b = (torch.randint(0, 211, (n,), generator=gen).tolist() for n in (9, 3))
     cache = new_cache(model, num_pages=8, page_size=PAGE)
-    table = {0: [4, 1, 6, 2]}
-    forward_step(model, cache, _step({0: tokens}, {0: 9}, table))  # prefill: declined
-    forward_step(model, cache, _step({0: tokens + [5]}, {0: 1}, table))  # decode: taken
-    forward_step(model, cache, _step({0: tokens + [5, 6, 7]}, {0: 2}, table))  # two queries (verification): declined
-    assert fused_calls == [False, True, False]
+    tables = {0: [4, 1, 6, 2, 5], 1: [0, 7]}
+    forward_step(model, cache, _step({0: a}, {0: 9}, tables))  # prefill of 9 tokens: declined
+    forward_step(model, cache, _step({0: a + [5]}, {0: 1}, tables))  # decode: taken
+    forward_step(model, cache, _step({0: a + [5, 6, 7]}, {0: 2}, tables))  # two queries (verification): taken
+    forward_step(model, cache, _step({0: a + [5, 6, 7], 1: b}, {0: 0, 1: 3}, tables))  # a sequence idle: declined
+    a, b = a + [5, 6, 7, 1, 2, 3, 4, 5], b + [8, 9, 10, 11]
+    forward_step(model, cache, _step({0: a, 1: b}, {0: 5, 1: 4}, tables))  # 9 tokens, 8 or fewer each: declined
+    assert fused_calls == [False, True, True, False, False]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -155,6 +205,28 @@ def test_fused_decode_splits_long_contexts_over_items(dtype, tmp_path, fused_cal
             per_op = forward_step(model, caches[1], step, fused=False)
             torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
             seqs = {s: t + [(5 * s + len(t)) % 211] for s, t in seqs.items()}
+    assert fused_calls == [True] * 6
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_verification_splits_long_contexts_over_items(dtype, tmp_path, fused_calls, workers, monkeypatch):
+    """Several new tokens per sequence under a plan split into parts (as a long context is): each part writes every
+    query row of its sequence (``h * q_len + i``), and the fused layer merges them for each token by log-sum-exp.
+    Segments of 4 keys, so the new tokens' causal masks fall on several parts; gemma3's sliding layers drop keys."""
+    model = _model("gemma3", tmp_path, dtype)
+    monkeypatch.setattr(cpu_decode, "SERIAL_MAX_BYTES", 0)
+    monkeypatch.setattr(cpu_decode, "SEGMENT_TILE", 4)
+    monkeypatch.setattr(cpu_decode, "MIN_PART_KEYS", 3)
+    gen = torch.Generator().manual_seed(12)
+    runs = {(13,): ({0: 5}, {0: 8}, {0: 2}), (13, 2, 9): ({0: 1, 1: 4, 2: 3}, {0: 3, 1: 1, 2: 4}, {0: 2, 1: 3})}
+    for lengths, steps in runs.items():
+        seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate(lengths)}
+        tables = {0: [9, 2, 12, 5, 0, 15, 4, 10], 1: [3, 14, 7], 2: [1, 11, 6, 13, 8]}
+        tables = {s: tables[s] for s in seqs}
+        caches = [new_cache(model, num_pages=16, page_size=PAGE) for _ in range(2)]
+        for cache in caches:
+            forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+        _verify_steps(model, caches, seqs, tables, steps, salt=5)
     assert fused_calls == [True] * 6
 
 

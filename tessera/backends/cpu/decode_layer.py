@@ -21,9 +21,10 @@ late (or never: a pool of one runs the iterations in turn) only finds less work;
 not claimed anything, so the kernel cannot deadlock whatever the thread count. A row's result does not depend on which
 worker computed it, so the output is the same for every ``n_workers``.
 
-:mod:`tessera.backends.cpu.ops.fused_decode` calls it for decode steps (one query per sequence) and chooses ``n_workers``
-from the step's work. The attention runs inside the region too: a batch of sequences, or one long context split
-into parts, spreads over the same workers without a second pool wake-up per layer.
+:mod:`tessera.backends.cpu.ops.fused_decode` calls it for decode-shaped steps of at most ``SMALL_M`` tokens (one new
+token per sequence, or a few: a speculative verification's drafted tokens) and chooses ``n_workers`` from the step's
+work. The attention runs inside the region too: a batch of sequences, or one long context split into parts, spreads
+over the same workers without a second pool wake-up per layer.
 """
 
 from __future__ import annotations
@@ -333,8 +334,9 @@ def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, si
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, schedule):  # pragma: no cover
     """Claim the plan's work items (a whole sequence, or one part of a long one split over the workers) until none
-    is left, each into its own rows of ``part_out [items, Hq, D]`` / ``part_lse [items, Hq]``; then wait for the
-    rest."""
+    is left, each into its own rows of ``part_out [items, Hq * max_q, D]`` / ``part_lse [items, Hq * max_q]`` (row
+    ``h * q_len + i`` for head ``h`` of the sequence's ``i``-th query, as ``decode_kernel._write_item`` writes
+    them); then wait for the rest."""
     n_items = schedule.item_seq.shape[0]
     while True:
         item = atomics.fetch_add(sync, 2 * phase, 1)
@@ -348,25 +350,35 @@ def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, schedule, att_s, o_w, isa, o_in):  # pragma: no cover
     """Claim sequences until none is left: merge a split sequence's parts by log-sum-exp into ``att [T, Hq, D]``,
-    round its token's row to storage into ``att_s [T, Hq D]`` and prepare that row as the o projection's input."""
+    round each of its token rows (``seq_q_start[s] + i`` for ``i < seq_q_len[s]``) to storage into ``att_s [T, Hq D]``
+    and prepare it as the o projection's input.
+
+    A sequence of one item is read straight from its ``part_out`` rows, which the item wrote normalized: the merge
+    of a single part multiplies by exactly 1, so skipping it changes no bit."""
     seq_q_start, seq_q_len = schedule.seq_q_start, schedule.seq_q_len
     seq_item_lo, seq_item_hi = schedule.seq_item_lo, schedule.seq_item_hi
     n_seqs = seq_q_len.shape[0]
-    hq, d = att.shape[1], att.shape[2]
+    t_count, hq, d = att.shape[0], att.shape[1], att.shape[2]
+    merged = att.reshape(t_count * hq, d)  # att's rows as head rows: token t, head a is row t * hq + a
     while True:
         s = atomics.fetch_add(sync, 2 * phase, 1)
         if s >= n_seqs:
             break
-        t = seq_q_start[s]  # one query per sequence: its token
+        t0, nq = seq_q_start[s], seq_q_len[s]
+        # Head a of the sequence's i-th token is row base + a * head_step + i * token_step of src: head-major
+        # (h * q_len + i) in an item's part_out, token-major in the merged att.
         if seq_item_hi[s] - seq_item_lo[s] == 1:
-            src = part_out[seq_item_lo[s]]
+            src, base, head_step, token_step = part_out[seq_item_lo[s]], 0, nq, 1
         else:
             _merge_sequence(s, part_out, part_lse, seq_item_lo, seq_item_hi, seq_q_start, seq_q_len, att, lse)
-            src = att[t]
-        for a in range(hq):
-            for e in range(d):
-                att_s[t, a * d + e] = narrow(src[a, e], att_s)
-        _fill_input_row(att_s, o_w, isa, o_in, t)
+            src, base, head_step, token_step = merged, t0 * hq, 1, hq
+        for i in range(nq):
+            t = t0 + i
+            for a in range(hq):
+                r = base + a * head_step + i * token_step
+                for e in range(d):
+                    att_s[t, a * d + e] = narrow(src[r, e], att_s)
+            _fill_input_row(att_s, o_w, isa, o_in, t)
         atomics.fetch_add(sync, 2 * phase + 1, 1)
     _wait(sync, phase, n_seqs)
 
@@ -508,9 +520,19 @@ def _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, 
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _buffers(x, h, weights, hq, d, n_items, isa):  # pragma: no cover - compiled
+def _rows_per_item(schedule, hq):  # pragma: no cover - compiled
+    """Query rows of the step's largest item: ``Hq`` times its longest sequence's query count (a plain loop, not
+    ``max()``: in the parallel kernel an array reduction becomes a parfor, which wakes the pool)."""
+    max_q = 1
+    for s in range(schedule.seq_q_len.shape[0]):
+        max_q = max(max_q, schedule.seq_q_len[s])
+    return hq * max_q
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _buffers(x, h, weights, hq, d, n_items, item_rows, isa):  # pragma: no cover - compiled
     """The layer's :class:`LayerBuffers`: intermediates, the prepared inputs of its four projections, the attention
-    items' partial results and the zeroed phase counters."""
+    items' partial results (``item_rows``: :func:`_rows_per_item`) and the zeroed phase counters."""
     qkv_w, o_w, gate_up_w, down_w = weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w
     t_count = x.shape[0]
     n_qkv, n_o, n_gu, n_down = _n_out(qkv_w), _n_out(o_w), _n_out(gate_up_w), _n_out(down_w)
@@ -534,7 +556,8 @@ def _buffers(x, h, weights, hq, d, n_items, isa):  # pragma: no cover - compiled
         down_in0=di0, down_in1=di1, down_in2=di2,
         down_acc=np.empty((t_count, n_down), dtype=np.float32), m=np.empty((t_count, n_down), dtype=x.dtype),
         att_s=att_s, h2=h2, qf=np.empty((t_count, hq, d), dtype=np.float32),
-        part_out=np.empty((n_items, hq, d), dtype=np.float32), part_lse=np.empty((n_items, hq), dtype=np.float32),
+        part_out=np.empty((n_items, item_rows, d), dtype=np.float32),
+        part_lse=np.empty((n_items, item_rows), dtype=np.float32),
         att=np.empty((t_count, hq, d), dtype=np.float32), lse=np.empty((t_count, hq), dtype=np.float32),
         sync=sync,
     )
@@ -552,7 +575,8 @@ def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
                   isa):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` on the calling thread (each GEMV claimed whole)."""
     weights, norms, config, schedule = _records(weights, norms, config, schedule)
-    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0], isa)
+    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0],
+                    _rows_per_item(schedule, config.num_q_heads), isa)
     # Straight to _layer_worker (one compiled level fewer than through _layer_flat: each level re-optimizes the code
     # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
     # _layer_worker a second time for the parallel kernel's call (~30 s).
@@ -570,7 +594,8 @@ def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v
     norms = LayerNorms(*norms)
     config = LayerConfig(*config)
     schedule = DecodeSchedule(*schedule)
-    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0], isa)
+    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0],
+                    _rows_per_item(schedule, config.num_q_heads), isa)
     flat = _flat_weights(weights)
     claim_rows = np.int64(CLAIM_ROWS)  # see _serial_layer
     for _ in prange(n_workers):
@@ -583,7 +608,7 @@ def decoder_layer_kernel(
     positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
     slots: np.ndarray, schedule: DecodeSchedule, isa: object, n_workers: int,
 ) -> None:
-    """Run one layer for ``T`` new tokens (one per sequence) and update ``x`` and ``h`` in place.
+    """Run one layer for ``T`` new tokens (one or more per sequence) and update ``x`` and ``h`` in place.
 
     Parameters
     ----------
@@ -595,8 +620,9 @@ def decoder_layer_kernel(
     positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
     k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``.
     slots : int64 ``[T]``, where the new K/V go.
-    schedule : :attr:`tessera.backends.cpu.decode.DecodePlan.schedule` of a plan with one query per sequence,
-        sequences in token order (split or not: the workers claim its items, then merge each sequence's parts).
+    schedule : :attr:`tessera.backends.cpu.decode.DecodePlan.schedule` of a plan over every sequence of the step,
+        whose queries are consecutive token rows in sequence order (``seq_q_start`` the running sum of
+        ``seq_q_len``); split or not: the workers claim its items, then merge each sequence's parts.
     isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
         portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
         ``_typeof_token`` for what a token inside a tuple costs at every call.

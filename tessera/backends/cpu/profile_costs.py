@@ -15,14 +15,19 @@ def fused_layer_cost(x: np.ndarray, h: np.ndarray, weights: LayerWeights, norms:
                      positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray,
                      *rest: Any) -> roofline.Cost:
     """One fused decoder layer (``decode_layer.decoder_layer_kernel``): its four weight matrices once,
-    ``2 T params`` FLOPs, plus attention of each token over ``position + 1`` cached keys (one query per sequence)."""
+    ``2 T params`` FLOPs, plus each sequence's attention: its new tokens (several in a speculative verification
+    step) over its cached keys, each key read once per sequence. ``rest`` is ``(v_rows, slots, schedule, ...)``."""
     tokens = x.shape[0]
     mats = [projection_params_bytes(w) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w)]
     params = sum(p for p, _ in mats)
     kv_heads, head_dim = k_rows.shape[1], k_rows.shape[2]
     elem = x.itemsize
-    kv_lens = [int(p) + 1 for p in positions]
-    attn = roofline.attention_cost([1] * tokens, kv_lens, int(config.num_q_heads), kv_heads, head_dim, elem)
+    schedule = rest[2] if len(rest) > 2 else None
+    if schedule is not None and hasattr(schedule, "seq_q_len"):
+        q_lens, kv_lens = [int(q) for q in schedule.seq_q_len], [int(k) for k in schedule.seq_kv_len]
+    else:  # one query per sequence
+        q_lens, kv_lens = [1] * tokens, [int(p) + 1 for p in positions]
+    attn = roofline.attention_cost(q_lens, kv_lens, int(config.num_q_heads), kv_heads, head_dim, elem)
     acts = 4 * tokens * x.shape[1] * elem  # x and h, read and written in place
     return 2.0 * tokens * params + attn[0], float(sum(b for _, b in mats) + attn[1] + acts)
 

@@ -25,7 +25,9 @@ class SpeculativeConfig:
         none) when the measured acceptance rate makes them a loss.
     draft_path : the draft checkpoint (``method="draft"``).
     self_format : ``q4_0`` / ``q4_1`` / ``q8_0`` (or ``int4`` / ``int4_min`` / ``int8``), group 32 (``method="self"``).
-    ngram_max, ngram_min : the longest and shortest suffix the n-gram proposer matches.
+    ngram_max, ngram_min : the longest and shortest suffix the n-gram proposer matches. One-token suffixes are
+        off by default: in open-ended text almost every token occurred before, and what followed it then rarely
+        follows it now, so those drafts are mostly rejected work.
     adaptive : choose each sequence's k from its acceptance rate and the measured step costs; False always drafts
         ``num_draft``.
     """
@@ -35,7 +37,7 @@ class SpeculativeConfig:
     draft_path: str | None = None
     self_format: str | None = None
     ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_min: int = 2
     adaptive: bool = True
 
     def __post_init__(self) -> None:

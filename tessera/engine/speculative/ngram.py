@@ -40,7 +40,7 @@ class NgramProposer:
 
     costs_forward = False
 
-    def __init__(self, n_max: int = 3, n_min: int = 1) -> None:
+    def __init__(self, n_max: int = 3, n_min: int = 2) -> None:
         self.sizes = range(n_min, n_max + 1)
         self._index: dict[int, _Index] = {}
 
