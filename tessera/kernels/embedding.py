@@ -84,6 +84,11 @@ def _embed_packed(ids: torch.Tensor, table: QuantizedWeight, scale: float | None
     return rows.reshape(*ids.shape, table.shape[1])
 
 
+#: a packed table's rows go through ``qmatmul`` in chunks of this many when there are at most ROW_CHUNK_UP_TO
+ROW_CHUNK = 16
+ROW_CHUNK_UP_TO = 128
+
+
 def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None = None,
             backend: str = "auto") -> torch.Tensor:
     """Tied output projection ``logits = hidden @ table.T`` accumulated in float32, optionally soft-capped
@@ -123,7 +128,16 @@ def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None 
         raise ValueError(f"lm_head: softcap must be a finite float > 0 or None, got {softcap}")
     cap = None if softcap is None else float(softcap)
     if packed:  # the read of a packed table is 4-8x smaller than the float one's; logits are float32 either way
-        logits = qmatmul(hidden.reshape(-1, table.shape[1]), table, backend=backend).float()
+        h = hidden.reshape(-1, table.shape[1])
+        if ROW_CHUNK < h.shape[0] <= ROW_CHUNK_UP_TO:
+            # A speculative verification step asks for up to 16 x 8 rows. A backend may change kernels with the row
+            # count (the cpu one leaves its row-by-row GEMV above 16 to 64 rows, by format), and the other kernel
+            # rounds differently, so a drafted token's logits would depend on the batch; chunks keep every row on
+            # the small-M kernel, whose rows do not depend on each other (tests/engine/test_speculative.py).
+            logits = torch.cat([qmatmul(h[r:r + ROW_CHUNK], table, backend=backend).float()
+                                for r in range(0, h.shape[0], ROW_CHUNK)])
+        else:
+            logits = qmatmul(h, table, backend=backend).float()
         logits = logits if cap is None else cap * torch.tanh(logits / cap)
         return logits.view(*hidden.shape[:-1], table.shape[0])
     return registry.resolve("lm_head", backend, table.device)(hidden, table, cap)

@@ -156,3 +156,14 @@ def test_embed_packed_errors(gen):
         embed(torch.tensor([1]), packed, dtype=torch.int32)
     with pytest.raises(TypeError, match="differs from the float table"):
         embed(torch.tensor([1]), torch.zeros(3, 4), dtype=torch.float16)
+
+
+def test_packed_lm_head_rows_do_not_depend_on_the_batch(gen):
+    """Logits of a row are the same bits alone and among up to 128 rows (a verification step), on the cpu."""
+    from tessera.kernels import quantize
+
+    table = quantize(torch.randn(300, 64, generator=gen), "int8", 32)
+    h = torch.randn(90, 64, generator=gen)
+    many = lm_head(h, table, backend="cpu")
+    for r in (0, 45, 89):
+        assert torch.equal(lm_head(h[r:r + 1], table, backend="cpu")[0], many[r])

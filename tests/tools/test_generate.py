@@ -5,6 +5,7 @@ the engine tests compile anyway."""
 from __future__ import annotations
 
 import io
+import re
 from types import SimpleNamespace
 
 import numba
@@ -116,3 +117,20 @@ def test_generate_as_the_whole_process_flushes_and_exits_zero(llm):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), "the generated text was lost"
     assert "tok/s" in done.stderr and done.stderr.rstrip().endswith("total"), done.stderr[-1000:]
+
+
+def test_generate_with_speculation_reports_its_drafts(llm, capsys):
+    assert main(["generate", "Say 'one two three one two three one two three'", "--max-tokens", "12",
+                 "--speculative", "ngram", "--num-draft", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "[speculative:" in err and "drafted" in err and "accepted" in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--num-draft", "3"], "--num-draft needs --speculative"),
+    (["--speculative", "eagle"], "expected 'ngram', 'draft:PATH' or 'self:FORMAT'"),
+    (["--speculative", "ngram", "--num-draft", "9"], r"num_draft must be an int in \[1, 7\]"),
+])
+def test_generate_rejects_bad_speculative_flags(argv, match, capsys):
+    assert main(["generate", "Hi", "--max-tokens", "2", *argv]) == 2
+    assert re.search(match, capsys.readouterr().err)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from tessera.backends.cpu.numba_math import FASTMATH, fast_exp, widen
+from tessera.backends.cpu.numba_math import fast_exp, widen
 from tessera.backends.cpu.ops._narrow import narrow, storage_view
 
 #: columns per work item: 8 KiB of fp32 gate + up, a few items per core even at one row of I = 11008
@@ -28,16 +28,20 @@ CHUNK = 1024
 PARALLEL_MIN_ELEMENTS = 32768
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+#: no "contract" / "reassoc" here: the serial and the parallel kernel are compiled apart, and with those flags LLVM
+#: fused or reordered the same expression differently in each (one ulp apart), so a token's activation depended
+#: on how many rows shared the call. Elementwise loops vectorize without them.
+_EXACT = {"nsz", "arcp", "afn"}
 
 
-@njit(inline="always", fastmath=FASTMATH)
+@njit(inline="always", fastmath=_EXACT)
 def _sigmoid(x):  # pragma: no cover - compiled
     """1 / (1 + e^-x). ``fast_exp`` is only valid below 88, so the exponent is clamped there: for x < -88 the result
     is 1 / (1 + e^88) ~ 6e-39 instead of a smaller subnormal, which rounds to the same output in every dtype."""
     return np.float32(1.0) / (np.float32(1.0) + fast_exp(min(-x, np.float32(88.0))))
 
 
-@njit(inline="always", fastmath=FASTMATH)
+@njit(inline="always", fastmath=_EXACT)
 def _phi(x):  # pragma: no cover - compiled
     """Standard normal CDF ``0.5 (1 + erf(x / sqrt 2))``; the tail ``0.5 erfc(|z|)`` is computed directly (no
     cancellation) by A&S 7.1.26: ``erfc(z) ~ t (a1 + t (a2 + ...)) e^{-z^2}``, ``t = 1 / (1 + p z)``."""
@@ -52,7 +56,7 @@ def _phi(x):  # pragma: no cover - compiled
     return np.float32(1.0) - tail if x >= np.float32(0.0) else tail
 
 
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+@njit(inline="always", fastmath=_EXACT, error_model="numpy")
 def _act_and_mul_item(gate_up, out, kind, item, chunks):  # pragma: no cover - compiled
     """``out[i, c] = act(gate_up[i, c]) * gate_up[i, I + c]``; ``kind`` 0 SiLU, 1 GELU (erf), 2 GELU (tanh).
 
@@ -79,14 +83,14 @@ def _act_and_mul_item(gate_up, out, kind, item, chunks):  # pragma: no cover - c
             dst[k] = narrow(g * _sigmoid(v) * widen(up[k]), out)  # sigmoid(2u) = (1 + tanh u) / 2
 
 
-@njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=_EXACT, nogil=True, cache=True, error_model="numpy")
 def _act_and_mul_parallel(gate_up, out, kind):  # pragma: no cover - compiled
     chunks = (out.shape[1] + CHUNK - 1) // CHUNK
     for item in prange(out.shape[0] * chunks):
         _act_and_mul_item(gate_up, out, kind, item, chunks)
 
 
-@njit(fastmath=FASTMATH, nogil=True, cache=True, error_model="numpy")
+@njit(fastmath=_EXACT, nogil=True, cache=True, error_model="numpy")
 def _act_and_mul_serial(gate_up, out, kind):  # pragma: no cover - compiled
     chunks = (out.shape[1] + CHUNK - 1) // CHUNK
     for item in range(out.shape[0] * chunks):
