@@ -225,3 +225,22 @@ def test_parse_and_errors(tiny_model, tmp_path):
     other = _tiny_llama(tmp_path / "other", VOCAB + 5, layers=1, hidden=32)
     with pytest.raises(ValueError, match="vocabulary has 216 tokens but the target's has 211"):
         LLM(tiny_model, num_pages=16, speculative=f"draft:{other}")
+
+
+def test_step_costs_ignore_compiling_and_thin_samples():
+    from tessera.engine.speculative.costs import DRAFT_COST_PRIOR, VERIFY_COST_PRIOR, StepCosts
+
+    costs = StepCosts()
+    assert costs.ratios() == (DRAFT_COST_PRIOR, DRAFT_COST_PRIOR, VERIFY_COST_PRIOR)
+    costs.observe_step(5.0, 5)  # a verification step that compiled its kernel: dropped
+    costs.observe_step(0.012, 5)  # a single 5-token sample is too thin to fit a slope on
+    for t in (9.0, 0.010, 0.010, 0.011, 0.010):  # the first 1-token step compiled too
+        costs.observe_step(t, 1)
+    assert costs.ratios()[2] == VERIFY_COST_PRIOR
+    for _ in range(3):
+        costs.observe_step(0.012, 5)
+    first, following, verify = costs.ratios()
+    assert verify == pytest.approx(0.05, rel=0.01)  # (12 - 10) ms over 4 tokens, per 10 ms step
+    for t in (3.0, 0.003, 0.003, 0.003):
+        costs.observe_draft(t, t)
+    assert costs.ratios()[:2] == (pytest.approx(0.3), pytest.approx(0.3))

@@ -9,6 +9,9 @@ from collections import defaultdict, deque
 
 #: samples kept per statistic
 _WINDOW = 16
+#: a step shape's time counts once it has this many samples after its first (the first run of a shape may compile
+#: a kernel: seconds, where a step takes milliseconds; kept, one such sample held k at 1 for a whole run)
+_MIN_SAMPLES = 3
 #: the cost of one more verified token relative to a one-token step, until two token counts were measured
 VERIFY_COST_PRIOR = 0.1
 #: a draft model's forward relative to a one-token target step, until measured
@@ -24,21 +27,29 @@ class StepCosts:
         self._step: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=_WINDOW))
         self._first: deque[float] = deque(maxlen=_WINDOW)
         self._next: deque[float] = deque(maxlen=_WINDOW)
+        self._seen: set[object] = set()  # shapes whose first (possibly compiling) sample was dropped
+
+    def _keep(self, shape: object) -> bool:
+        if shape in self._seen:
+            return True
+        self._seen.add(shape)
+        return False
 
     def observe_step(self, seconds_per_seq: float, tokens_per_seq: int) -> None:
-        self._step[tokens_per_seq].append(seconds_per_seq)
+        if self._keep(tokens_per_seq):
+            self._step[tokens_per_seq].append(seconds_per_seq)
 
     def observe_draft(self, first: float | None, following: float | None) -> None:
         """A proposal's draft forwards, in seconds per sequence (None: not measured this time)."""
-        if first is not None:
+        if first is not None and self._keep("first"):
             self._first.append(first)
-        if following is not None:
+        if following is not None and self._keep("next"):
             self._next.append(following)
 
     def ratios(self) -> tuple[float, float, float]:
         """``(first, next, verify)`` in one-token target steps: a proposal's first draft forward, each further
         one, and the target's extra time per verified token."""
-        counts = sorted(self._step)
+        counts = sorted(n for n, times in self._step.items() if len(times) >= _MIN_SAMPLES)
         if not counts:
             return DRAFT_COST_PRIOR, DRAFT_COST_PRIOR, VERIFY_COST_PRIOR
         low = statistics.median(self._step[counts[0]])
