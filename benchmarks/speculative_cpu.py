@@ -4,7 +4,10 @@ Cases (each against the same target without speculation, runs interleaved A B A 
 
 - ``ngram``: prompt lookup on the default SmolLM2 engine (Q4_1 projections packed);
 - ``self:q4_1`` / ``self:q4_0``: the target de-quantized to fp32, drafting with its own weights quantized (q4_1 gives
-  back the file's own Q4_1 values, so its drafts are the packed model's greedy tokens).
+  back the file's own Q4_1 values, so its drafts are the packed model's greedy tokens);
+- ``draft``: the fp32 target with ``draft:PATH``, PATH a Q4_0 GGUF of the same model written by ``tessera quantize``
+  (under ``~/.cache/tessera/bench``; no smaller checkpoint with SmolLM2's vocabulary can be downloaded here), so the
+  draft-model proposer runs from a file as a user's would.
 
 Each case runs two prompts, both through the chat template: a *repetitive* one (repeat a given paragraph, where the
 n-gram lookup finds most tokens in the prompt) and an *open-ended* one (a story). Reported: decode tokens/s (tokens
@@ -29,6 +32,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see e2e_cpu.py: idle OpenMP threads must not spin here
@@ -54,9 +58,26 @@ PROMPTS = {
     "repetitive": "Repeat the following text exactly, word for word:\n\n" + PARAGRAPH,
     "open-ended": "Write a short story about a dragon who learns to cook.",
 }
-CASES = {"ngram": ("packed", "ngram"), "self:q4_1": ("fp32", "self:q4_1"), "self:q4_0": ("fp32", "self:q4_0")}
+CASES = {"ngram": ("packed", "ngram"), "self:q4_1": ("fp32", "self:q4_1"), "self:q4_0": ("fp32", "self:q4_0"),
+         "draft": ("fp32", "draft:")}
+DRAFT_FILE = Path.home() / ".cache" / "tessera" / "bench" / "smollm2-q4_0.gguf"
 TOPICS = ["the ocean", "a robot", "winter", "a city at night", "bread", "a lighthouse", "mathematics", "trains",
           "a garden", "the moon", "music", "a mountain", "rain", "coffee", "a library", "birds"]
+
+
+def _speculative(name: str) -> str:
+    """The ``speculative=`` value of a case; the draft case writes its GGUF file first."""
+    spec = CASES[name][1]
+    if spec != "draft:":
+        return spec
+    if not DRAFT_FILE.exists():
+        from tessera.models import default_model_path
+
+        DRAFT_FILE.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "tessera", "quantize", str(default_model_path()), str(DRAFT_FILE),
+                        "--type", "Q4_0"],
+                       check=True)
+    return f"draft:{DRAFT_FILE}"
 
 
 def _decode_rate(out) -> float:
@@ -65,7 +86,7 @@ def _decode_rate(out) -> float:
 
 def _run_case(name: str, models: dict, prompts: dict[str, str], params: SamplingParams, reps: int,
               num_draft: int) -> list[dict]:
-    target_kind, spec = CASES[name]
+    target_kind, spec = CASES[name][0], _speculative(name)
     model = models[target_kind]
     plain = LLM(model, max_num_seqs=1)
     fast = LLM(model, max_num_seqs=1, speculative=spec, num_draft=num_draft)
@@ -96,7 +117,7 @@ def _run_case(name: str, models: dict, prompts: dict[str, str], params: Sampling
 
 
 def _check_greedy(name: str, models: dict, max_tokens: int) -> dict:
-    target_kind, spec = CASES[name]
+    target_kind, spec = CASES[name][0], _speculative(name)
     model = models[target_kind]
     prompts = [render_chat(model.chat_template, [{"role": "user", "content": f"Write about {t}."}]) for t in TOPICS]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
