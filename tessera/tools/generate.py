@@ -179,6 +179,9 @@ class _Upgrade:
         self._checked = time.perf_counter()
         if first_run.is_warm(self._target, self._kind):
             self._llm.model.backend = self._backend  # read by the next step
+            draft = getattr(getattr(self._llm.speculative, "proposer", None), "model", None)
+            if draft is not None:  # a draft model (--speculative self:/draft:) moves with its target
+                draft.backend = self._backend
             self.tokens_before = self._streamed
 
     def summary(self, tokens: int) -> str:
