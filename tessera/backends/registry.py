@@ -25,6 +25,7 @@ BUILT_IN: dict[str, str] = {
     "reference": "tessera.backends.reference.attention:ReferenceBackend",
     "cpu": "tessera.backends.cpu.backend:CpuBackend",
     "triton": "tessera.backends.triton.backend:TritonBackend",
+    "mlir": "tessera.backends.mlir.backend:MlirBackend",
 }
 ENTRY_POINT_GROUP = "tessera.backends"
 

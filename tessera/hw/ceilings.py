@@ -7,7 +7,6 @@ directory shared between hosts keeps each host's own numbers.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import math
@@ -16,11 +15,11 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from tessera._atomic import write_text_atomic
+from tessera._atomic import exclusive, write_text_atomic
 from tessera.hw import probes
 
 #: Bump when the meaning of a field or the measuring method changes; older cache files are then re-measured.
@@ -187,7 +186,7 @@ def get_ceilings(refresh: bool = False) -> Ceilings:
         return cached
     # Two processes measuring at once (pytest -n 2) would each see half the machine and cache that; the lock makes
     # the second one wait and then reuse the first one's result.
-    with _exclusive(path):
+    with exclusive(path):
         if not refresh and (cached := _read_entry(path, key)) is not None:
             return cached
         measured = measure_ceilings()
@@ -226,19 +225,3 @@ def _write_entry(path: Path, ceilings: Ceilings) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock next to the cache file; without fcntl or a writable directory, run unlocked."""
-    try:
-        import fcntl
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "w")
-    except (ImportError, OSError):
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield

@@ -13,7 +13,7 @@ from tessera.attention import AttentionSpec
 from tessera.backends import AttentionRequest, BackendUnavailableError, registered, select
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILT_INS = {"cpu", "reference", "triton"}
+BUILT_INS = {"cpu", "reference", "triton", "mlir"}
 
 # Each snippet runs in a fresh interpreter and must print the registered backend names.
 IMPORT_ORDERS = {

@@ -89,6 +89,7 @@ def test_captured_tensors_are_read_with_clamped_indices():
     (lambda b, h, q_pos, kv_pos: torch.isin(kv_pos, torch.tensor([1, 2])), "torch.isin has no Triton translation"),
     (lambda b, h, q_pos, kv_pos: (kv_pos <= q_pos) & torch.ones(3, dtype=torch.bool), "captured tensor"),
     (lambda b, h, q_pos, kv_pos: kv_pos.cumsum(0) > 0, "method .cumsum()"),
+    (lambda b, h, q_pos, kv_pos: torch.ones(3) > q_pos, "used whole"),  # a tensor's own operator, not recursion
 ])
 def test_untranslatable_functions_say_why(fn, message):
     with pytest.raises(UntranslatableError, match=message):

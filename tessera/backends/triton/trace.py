@@ -154,6 +154,12 @@ class Sym:
         if name == "__getitem__":
             return _index(args[0], args[1])
         if name in TORCH_FUNCTIONS:
+            # A captured tensor among the operands becomes a Sym first (0-d) or is refused (used whole); left as a
+            # tensor, its own operator would dispatch back here forever.
+            em = next((a.em for a in args if isinstance(a, Sym)), None)
+            if em is not None:
+                args = tuple(as_sym(a, em) if isinstance(a, torch.Tensor) and not isinstance(a, Sym) else a
+                             for a in args)
             return TORCH_FUNCTIONS[name](*args, **kwargs)
         raise UntranslatableError(f"torch.{name} has no Triton translation; {SUPPORTED}")
 

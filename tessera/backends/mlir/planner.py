@@ -1,0 +1,98 @@
+"""Host-side planning for the MLIR attention kernel: work items and the kv tiles each one visits.
+
+A work item is :data:`~tessera.mlir.attention_kernel.ROWS` query rows of one kv head's GQA group (rows are
+``(token, head)`` pairs, token-major), within one q tile of :data:`Q_TILE` tokens. The mask classifies every
+(q tile, kv tile) pair once per sequence (:func:`~tessera.attention.tiles.classify_tiles`); an item visits only the
+kv tiles its q tile keeps. Everything depends on lengths, the page table and the mask, never on tensor values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera.attention.spec import AttentionSpec
+from tessera.attention.tiles import classify_tiles, tile_bounds
+from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.mlir.attention_kernel import F, ITEM_FIELDS, ROWS
+from tessera.mlir.trace import LANES
+
+#: query tokens per classification tile (items never straddle one)
+Q_TILE = 16
+
+
+@dataclass
+class MlirPlan:
+    """One step's host state: the kernel's items and tiles, and how to pack the keys and values."""
+
+    spec: AttentionSpec
+    batch: RaggedBatch
+    items: np.ndarray  # int32 [num_items, len(ITEM_FIELDS)], longest first
+    tiles: np.ndarray  # int32 [num_tile_entries]: kv start positions within the sequence
+    kv_gather: np.ndarray  # int64 [packed rows]: the k_rows/v_rows row each packed row copies; -1 for zeros
+
+
+def build_plan(spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> MlirPlan:
+    """Items and tiles of one step (see the module docstring)."""
+    group = spec.group_size
+    gather, kv_row0 = _packing(batch, layout)
+    items: list[np.ndarray] = []
+    tiles: list[np.ndarray] = []
+    tile_count = 0
+    heads = np.arange(spec.num_kv_heads, dtype=np.int64)
+    for s in range(batch.num_seqs):
+        q_len, kv_len = batch.q_lens[s], batch.kv_lens[s]
+        if q_len == 0:
+            continue
+        first_pos = kv_len - q_len
+        q_lo, q_hi = tile_bounds(first_pos, kv_len, Q_TILE)
+        kv_lo, kv_hi = tile_bounds(0, kv_len, LANES)
+        classes = classify_tiles(spec.mask, s, q_lo, q_hi, kv_lo, kv_hi)
+        for i in range(len(q_lo)):
+            kept = kv_lo[classes[i] != 0] if len(kv_lo) else kv_lo
+            row_lo, row_hi = (q_lo[i] - first_pos) * group, (q_hi[i] - first_pos) * group
+            starts = np.arange(row_lo, row_hi, ROWS, dtype=np.int64)
+            block = np.empty((len(heads), len(starts), len(ITEM_FIELDS)), dtype=np.int64)
+            block[..., F["seq"]] = s
+            block[..., F["row0"]] = starts
+            block[..., F["num_rows"]] = np.minimum(row_hi - starts, ROWS)
+            block[..., F["q_row0"]] = batch.q_starts[s]
+            block[..., F["q_pos0"]] = first_pos
+            block[..., F["kv_row0"]] = kv_row0[s]
+            block[..., F["kv_len"]] = kv_len
+            block[..., F["kv_head"]] = heads[:, None]
+            block[..., F["tile_off"]] = tile_count
+            block[..., F["tile_count"]] = len(kept)
+            items.append(block.reshape(-1, len(ITEM_FIELDS)))
+            tiles.append(kept)
+            tile_count += len(kept)
+    item_arr = np.concatenate(items) if items else np.zeros((0, len(ITEM_FIELDS)), np.int64)
+    # Longest first: items with the most tiles start early, the short ones fill the tail.
+    item_arr = item_arr[np.argsort(-item_arr[:, F["tile_count"]], kind="stable")]
+    tile_arr = np.concatenate(tiles) if tiles and tile_count else np.zeros(1, np.int64)
+    for name, arr in (("items", item_arr), ("tiles", tile_arr)):
+        if arr.size and (arr.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"mlir backend: {name} exceed int32 (got {int(arr.max())}); split the batch")
+    return MlirPlan(spec, batch, np.ascontiguousarray(item_arr, dtype=np.int32),
+                    np.ascontiguousarray(tile_arr, dtype=np.int32), gather)
+
+
+def _packing(batch: RaggedBatch, layout: KVLayout) -> tuple[np.ndarray, list[int]]:
+    """Which row of ``k_rows``/``v_rows`` each packed row copies, and where each sequence starts in the packing.
+
+    Every sequence's keys become consecutive (a paged cache is gathered) and start at a multiple of
+    :data:`~tessera.mlir.trace.LANES`, so a kv tile is one block of the packed layout. Rows past a sequence's end copy
+    row ``len(k_rows)``: the zero row the backend appends, so a tile never reads a page that may hold uninitialized
+    values (NaN times a zero probability would still be NaN).
+    """
+    parts, starts, pos = [], [], 0
+    for s in range(batch.num_seqs):
+        n = batch.kv_lens[s]
+        rows = layout.rows(s, n)
+        rows = np.arange(rows.start, rows.stop, dtype=np.int64) if isinstance(rows, slice) else rows
+        padded = -(-n // LANES) * LANES
+        parts.append(np.concatenate([rows, np.full(padded - n, -1, dtype=np.int64)]))
+        starts.append(pos)
+        pos += padded
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), starts

@@ -1,0 +1,11 @@
+"""Tessera's MLIR path: attention specs lowered to MLIR's upstream dialects and compiled by IREE.
+
+- :mod:`tessera.mlir.trace`: masks and score functions as ``arith``/``math``/``vector`` ops (traced or translated).
+- :mod:`tessera.mlir.attention_kernel`: a spec as a FlashAttention-style ``scf``/``vector`` loop in one IREE
+  dispatch, over the kv tiles the plan keeps.
+- :mod:`tessera.mlir.iree_compile`: IREE compilation for llvm-cpu (run here) and GPU targets (compile-only), with
+  in-memory and on-disk caches.
+
+The ``mlir`` backend (:mod:`tessera.backends.mlir`) runs these kernels. Nothing here imports IREE until a module is
+compiled.
+"""
