@@ -30,6 +30,15 @@ mlir = registered()["mlir"]
 pytestmark = pytest.mark.skipif(bool(mlir.available()), reason="; ".join(mlir.available()) or "usable")
 
 
+@pytest.fixture(params=["tiles", "tokens"])
+def key_layout(request, monkeypatch) -> str:
+    """Run the test with every batch planned for one key layout (the planner picks by query count otherwise)."""
+    from tessera.backends.mlir import planner
+
+    monkeypatch.setattr(planner, "TOKENS_MAX_Q", 10**9 if request.param == "tokens" else -1)
+    return request.param
+
+
 def _lower(spec: AttentionSpec):
     from tessera.mlir.attention_kernel import lower_attention
 
@@ -88,26 +97,26 @@ def test_untranslatable_spec_is_declined_with_the_reason():
     assert any("cannot be translated to MLIR" in r and "torch.erf" in r for r in reasons)
 
 
-def test_python_floor_semantics_on_negative_operands():
+def test_python_floor_semantics_on_negative_operands(key_layout):
     """Traced // and % round toward minus infinity, as torch does, on every lane (negative relative positions)."""
     spec = AttentionSpec(2, 1, 16, mask=custom_mask(lambda b, h, q, kv: ((kv - q) // 3) % 2 == 0),
                          score=custom_score(lambda s, b, h, q, kv: s + ((kv - q) % 5).float() * 0.1))
     _check_varlen(spec, (5, 1, 9), (37, 20, 9), torch.float32, seed=3)
 
 
-def test_alibi_and_softcap_match_the_oracle():
+def test_alibi_and_softcap_match_the_oracle(key_layout):
     spec = AttentionSpec(8, 2, 32, mask=causal(), score=alibi(alibi_slopes(8)))
     _check_varlen(spec, (7, 1), (40, 33), torch.float32, seed=1)
     _check_varlen(AttentionSpec(8, 8, 32, score=softcap(2.0)), (3,), (19,), torch.bfloat16, seed=2)
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 72])
-def test_head_dims_that_are_not_a_vector_multiple(head_dim: int):
+def test_head_dims_that_are_not_a_vector_multiple(head_dim: int, key_layout):
     """The host zero-pads the head dim to a multiple of 16 and slices the output back."""
     _check_varlen(AttentionSpec(6, 2, head_dim, mask=causal()), (1, 17, 0), (30, 17, 4), torch.float32, seed=4)
 
 
-def test_empty_and_keyless_sequences():
+def test_empty_and_keyless_sequences(key_layout):
     spec = AttentionSpec(4, 2, 16, mask=causal())
     _check_varlen(spec, (0, 2, 0), (0, 5, 3), torch.float32, seed=5)
     nothing = custom_mask(lambda b, h, q, kv: kv < 0)  # rows that keep no key: out 0, lse -inf
@@ -143,6 +152,17 @@ def test_items_cover_every_query_row_exactly_once():
     assert (seen == 1).all()
 
 
+def test_decode_reads_keys_in_place_and_prefill_packs_them():
+    from tessera.backends.mlir.planner import build_plan
+
+    decode = RaggedBatch((1, 3, 8), (100, 40, 9))
+    plan = build_plan(AttentionSpec(4, 2, 32), decode, KVLayout.paged(np.array([[4, 1], [0, -1], [2, -1]]), 64))
+    assert plan.key_layout == "tokens" and plan.kv_gather is None
+    assert plan.kv_map.tolist() == [64, 2, 256, 64, 0, 0, 128, 0]
+    prefill = RaggedBatch((1, 30), (100, 30))
+    assert build_plan(AttentionSpec(4, 2, 32), prefill, KVLayout.contiguous(prefill)).key_layout == "tiles"
+
+
 def test_sliding_window_visits_only_the_kept_tiles():
     from tessera.backends.mlir.planner import build_plan
     from tessera.mlir.attention_kernel import F
@@ -154,9 +174,10 @@ def test_sliding_window_visits_only_the_kept_tiles():
     assert window.items[:, F["tile_count"]].max() <= 64 // 16 + 2
 
 
-def test_paged_keys_are_gathered_with_zero_padding():
-    """Pages are gathered so each sequence starts at a multiple of 16; rows past its end are zeros, never stale pages
-    (a NaN there times a zero probability would poison the row)."""
+def test_paged_keys_are_gathered_with_zero_padding(key_layout):
+    """Tiles: pages are gathered so each sequence starts at a multiple of 16, and rows past its end are zeros, never
+    stale pages (a NaN there times a zero probability would poison the row). Tokens: pages are read in place, and
+    lanes past a sequence's end re-read its last key."""
     from tessera.attention import plan as plan_attention
 
     gen = torch.Generator().manual_seed(7)
@@ -167,6 +188,7 @@ def test_paged_keys_are_gathered_with_zero_padding():
     spec = AttentionSpec(4, 2, d, mask=causal())
     q = torch.randn(3, 4, d, generator=gen)
     p = plan_attention(spec, [2, 1], [13, 5], table, page, backend="mlir")
+    assert p.run(q, pages, pages).isfinite().all()
     out, lse = p.run(q, pages, pages, return_lse=True)
     k = torch.cat([pages[[3, 0]].reshape(-1, hkv, d)[:13], pages[[1]].reshape(-1, hkv, d)[:5]])
     ref_out, ref_lse = varlen_attention_f64(q.double(), k.double(), k.double(), RaggedBatch((2, 1), (13, 5)), spec)
@@ -201,7 +223,7 @@ def test_compiler_errors_name_the_saved_text(tmp_path, monkeypatch):
         iree_compile.compile_module("", target="tpu")
 
 
-def test_dense_api_and_gqa_ratio_three():
+def test_dense_api_and_gqa_ratio_three(key_layout):
     gen = torch.Generator().manual_seed(8)
     q, k, v = torch.randn(2, 21, 6, 48, generator=gen), torch.randn(2, 30, 2, 48, generator=gen), \
         torch.randn(2, 30, 2, 48, generator=gen)

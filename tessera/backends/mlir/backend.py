@@ -58,13 +58,17 @@ class MlirBackend:
 
         if plan.items.shape[0] == 0:
             return  # no query rows: out stays 0 and lse -inf, as the caller allocated them
-        kernel = kernel_for(plan.spec)
+        element = _ELEMENTS[k_rows.dtype] if plan.key_layout == "tokens" else "f32"
+        kernel = kernel_for(plan.spec, plan.key_layout, element)
         fn = load_function(kernel.text, kernel.entry)
         d, dp = plan.spec.head_dim, kernel.head_dim_padded
         qf = _pad_dim(q.float(), dp)
-        kt, vp = pack_kv(k_rows, v_rows, plan.kv_gather, dp)
-        res_out, res_lse = fn(as_device(qf), as_device(kt), as_device(vp), plan.items, plan.tiles, kernel.aux_i,
-                              kernel.aux_f)
+        if plan.key_layout == "tokens":
+            k_in, v_in = k_rows, v_rows  # read in place through the page table (kv_map)
+        else:
+            k_in, v_in = pack_kv(k_rows, v_rows, plan.kv_gather, dp)
+        res_out, res_lse = fn(as_device(qf), as_device(k_in), as_device(v_in), plan.items, plan.tiles, plan.kv_map,
+                              kernel.aux_i, kernel.aux_f)
         out.copy_(torch.from_numpy(np.asarray(res_out.to_host()))[..., :d])
         lse.copy_(torch.from_numpy(np.asarray(res_lse.to_host())))
 
@@ -110,28 +114,33 @@ _BY_STRUCTURE: dict[tuple, object] = {}
 _LOCK = threading.Lock()
 
 
-def kernel_for(spec: AttentionSpec):
-    """The lowered kernel of ``spec`` (:class:`~tessera.mlir.attention_kernel.AttentionKernel`): shared by specs of
-    equal structure, else cached per spec object (specs holding tensors or user functions)."""
+_ELEMENTS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def kernel_for(spec: AttentionSpec, key_layout: str = "tiles", element: str = "f32"):
+    """The lowered kernel of ``spec`` (:class:`~tessera.mlir.attention_kernel.AttentionKernel`) for a key layout and
+    storage element type: shared by specs of equal structure, else cached per spec object (specs holding tensors or
+    user functions)."""
     key = spec.structure_key()
     if key is None:
-        return _kernel_by_object(spec)
+        return _kernel_by_object(spec, key_layout, element)
+    key = (key, key_layout, element)
     with _LOCK:
         kernel = _BY_STRUCTURE.get(key)
     if kernel is None:
         from tessera.mlir.attention_kernel import lower_attention
 
-        kernel = lower_attention(spec)
+        kernel = lower_attention(spec, key_layout, element)
         with _LOCK:
             _BY_STRUCTURE.setdefault(key, kernel)
     return kernel
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_by_object(spec: AttentionSpec):
+def _kernel_by_object(spec: AttentionSpec, key_layout: str, element: str):
     from tessera.mlir.attention_kernel import lower_attention
 
-    return lower_attention(spec)
+    return lower_attention(spec, key_layout, element)
 
 
 def _translation_error(spec: AttentionSpec) -> str:

@@ -20,6 +20,8 @@ from tessera.mlir.trace import LANES
 
 #: query tokens per classification tile (items never straddle one)
 Q_TILE = 16
+#: batches whose sequences all have at most this many queries read keys in place ("tokens" layout); others pack them
+TOKENS_MAX_Q = 8
 
 
 @dataclass
@@ -30,13 +32,28 @@ class MlirPlan:
     batch: RaggedBatch
     items: np.ndarray  # int32 [num_items, len(ITEM_FIELDS)], longest first
     tiles: np.ndarray  # int32 [num_tile_entries]: kv start positions within the sequence
-    kv_gather: np.ndarray  # int64 [packed rows]: the k_rows/v_rows row each packed row copies; -1 for zeros
+    key_layout: str  # "tiles" (packed by the host) or "tokens" (read in place), see attention_kernel._KeyReader
+    kv_gather: np.ndarray | None  # tiles: int64 [packed rows], the k_rows row each packed row copies (-1: zeros)
+    kv_map: np.ndarray  # tokens: int32 [2 + num_seqs * max_blocks] = block, max_blocks, row bases; else [0, 0]
 
 
-def build_plan(spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> MlirPlan:
-    """Items and tiles of one step (see the module docstring)."""
+def build_plan(spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout, key_layout: str | None = None) -> MlirPlan:
+    """Items and tiles of one step (see the module docstring).
+
+    ``key_layout`` None chooses: "tokens" (keys and values read in place through the page table, no copy) when every
+    sequence has at most :data:`TOKENS_MAX_Q` queries, as in decode, where packing would copy the whole cache per
+    step for a few rows of work; "tiles" (packed, transposed keys: outer-product scores) otherwise.
+    """
+    if key_layout is None:
+        key_layout = "tokens" if max(batch.q_lens, default=0) <= TOKENS_MAX_Q else "tiles"
+    if key_layout not in ("tiles", "tokens"):
+        raise ValueError(f"key_layout must be 'tiles' or 'tokens', got {key_layout!r}")
     group = spec.group_size
-    gather, kv_row0 = _packing(batch, layout)
+    if key_layout == "tiles":
+        gather, kv_row0 = _packing(batch, layout)
+        kv_map = np.zeros(2, np.int32)
+    else:
+        gather, kv_row0, kv_map = None, [0] * batch.num_seqs, _kv_map(layout)
     items: list[np.ndarray] = []
     tiles: list[np.ndarray] = []
     tile_count = 0
@@ -75,7 +92,16 @@ def build_plan(spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> Mli
         if arr.size and (arr.max() > np.iinfo(np.int32).max):
             raise ValueError(f"mlir backend: {name} exceed int32 (got {int(arr.max())}); split the batch")
     return MlirPlan(spec, batch, np.ascontiguousarray(item_arr, dtype=np.int32),
-                    np.ascontiguousarray(tile_arr, dtype=np.int32), gather)
+                    np.ascontiguousarray(tile_arr, dtype=np.int32), key_layout, gather, kv_map)
+
+
+def _kv_map(layout: KVLayout) -> np.ndarray:
+    """``[block, max_blocks, row_base...]`` int32: how the "tokens" kernel finds key ``j`` of sequence ``s``."""
+    base = np.maximum(np.asarray(layout.row_base, dtype=np.int64), 0)  # -1 entries (no page) are never read
+    if base.size and base.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"mlir backend: kv row indices must lie below 2**31, got up to {int(base.max())}; use fewer "
+                         "or smaller pages per cache tensor")
+    return np.concatenate([[layout.block, base.shape[1]], base.reshape(-1)]).astype(np.int32)
 
 
 def _packing(batch: RaggedBatch, layout: KVLayout) -> tuple[np.ndarray, list[int]]:
