@@ -170,6 +170,9 @@ def as_device(tensor):
     """
     from torch.utils import dlpack
 
+    if tensor.numel() == 0:  # IREE's import of a zero-byte buffer crashes the process; refuse it with a reason
+        raise ValueError(f"as_device: an empty tensor of shape {tuple(tensor.shape)} cannot be passed to IREE; "
+                         "skip the call (its result is empty or zeros)")
     tensor = tensor.contiguous()
     if tensor.data_ptr() % _ALIGN:
         tensor = tensor.clone()
