@@ -61,3 +61,19 @@ def test_validate_every_family(family, tmp_path):
     report = V.validate(tmp_path, seq=24)
     assert report["ok"], report
     assert len(report["rows"]) == 4  # embeddings, layer 0, layer 1 + final norm, logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
+def test_validate_on_the_mlir_backend(family, tmp_path):
+    """Every op of these families' forward, attention included, compiled through MLIR and IREE (docs/mlir.md)."""
+    import transformers
+
+    from tessera.backends import registered
+
+    reasons = registered()["mlir"].available()
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    config_cls, model_cls, kwargs = FAMILIES[family]
+    save_tiny(getattr(transformers, model_cls), getattr(transformers, config_cls)(**kwargs), tmp_path)
+    report = V.validate(tmp_path, seq=24, backend="mlir")
+    assert report["ok"], report
