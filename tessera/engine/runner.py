@@ -90,15 +90,9 @@ class Runner:
         results.update({s.seq_id: (t, 0.0, None) for s, t in zip(seqs, ids_list)})
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
         if want:  # the model's distribution (before penalties, temperature, filters), as OpenAI and vLLM report
-            logp = torch.log_softmax(logits[[rows[i] for i in want]].float(), dim=-1)
-            chosen = torch.tensor([[ids_list[i]] for i in want], dtype=torch.int64, device=logp.device)
-            picked = logp.gather(1, chosen).squeeze(1).tolist()
-            k = max(seqs[i].params.top_logprobs for i in want)
-            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
-            for row, i in enumerate(want):
-                n = seqs[i].params.top_logprobs
-                top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else None
-                results[seqs[i].seq_id] = (ids_list[i], picked[row], top)
+            entries = _token_logprobs(logits[[rows[i] for i in want]], [ids_list[i] for i in want],
+                                      [seqs[i].params.top_logprobs for i in want])
+            results.update({seqs[i].seq_id: entry for i, entry in zip(want, entries)})
         return results
 
     @staticmethod
@@ -107,11 +101,30 @@ class Runner:
         distribution token ``i`` was chosen from."""
         if not seq.params.logprobs:
             return [(t, 0.0, None) for t in tokens]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        picked = logp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=logp.device)[:, None])[:, 0].tolist()
-        n = seq.params.top_logprobs
-        if not n:
-            return [(t, lp, None) for t, lp in zip(tokens, picked)]
-        top_v, top_i = logp.topk(n, dim=-1)
-        return [(t, lp, list(zip(top_i[i].tolist(), top_v[i].tolist()))) for i, (t, lp) in
-                enumerate(zip(tokens, picked))]
+        return _token_logprobs(logits, tokens, [seq.params.top_logprobs] * len(tokens))
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: list[int], top_ns: list[int]
+                    ) -> list[tuple[int, float, list[tuple[int, float]] | None]]:
+    """``(token, logprob, top)`` per row: the log-probability of ``tokens[i]`` under row ``i`` of ``logits`` (the
+    model's distribution, before penalties, temperature and filters), and that row's ``top_ns[i]`` most likely
+    ``(token, logprob)`` pairs (None where ``top_ns[i]`` is 0).
+
+    Parameters
+    ----------
+    logits : torch.Tensor ``[R, V]``, one row per token.
+    tokens : the R chosen token ids.
+    top_ns : how many alternatives each row reports.
+
+    Returns
+    -------
+    list of R ``(token, logprob, top)`` tuples.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(tokens, dtype=torch.int64, device=logp.device)[:, None]
+    picked = logp.gather(1, chosen)[:, 0].tolist()
+    # one topk for all rows, of the largest count asked; each row keeps its own leading ones
+    k = max(top_ns, default=0)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+    return [(t, lp, list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else None)
+            for row, (t, lp, n) in enumerate(zip(tokens, picked, top_ns))]

@@ -144,7 +144,8 @@ class Scheduler:
     def _fit_draft(self, seq: Sequence, budget: int) -> Any:
         """The sequence's speculative draft cut to what the budget and the free pages allow (drafts never preempt
         anyone), or None."""
-        draft, seq.draft = seq.draft, None
+        draft = seq.draft
+        seq.clear_draft()
         if draft is None:
             return None
         n = min(len(draft.tokens), budget - 1)
@@ -190,7 +191,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed = 0
-        seq.draft = None
+        seq.clear_draft()
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -122,6 +122,11 @@ class Sequence:
         elif len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self._max_len:
             self._finish("length", now)
 
+    def clear_draft(self) -> None:
+        """Drop the speculative draft, if any: a draft is proposed for one step's decode and must not outlive it
+        (a preempted sequence recomputes its KV, and each step proposes afresh)."""
+        self.draft = None
+
     def abort(self) -> None:
         """Finish now with reason ``"abort"`` (the scheduler frees the pages)."""
         self._finish("abort", time.perf_counter())

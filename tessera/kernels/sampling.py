@@ -103,6 +103,26 @@ def _check_logits(op: str, logits: torch.Tensor) -> None:
         raise ValueError(f"{op}: the vocabulary dimension is empty (shape {tuple(logits.shape)}); need vocab >= 1")
 
 
+def _check_params(op: str, params: Sequence[SamplerParams], batch: int) -> list[SamplerParams]:
+    """``params`` as a list, checked to hold one :class:`SamplerParams` per row of a ``batch``-row logits tensor.
+
+    Parameters
+    ----------
+    op : the public function's name, which starts the error message.
+    params : what the caller passed (any iterable; it is consumed once).
+    batch : the number of logits rows.
+
+    Returns
+    -------
+    list[SamplerParams]
+    """
+    params = list(params)  # a generator is consumed here once, so the check and the caller see the same items
+    if len(params) != batch or not all(isinstance(p, SamplerParams) for p in params):
+        raise ValueError(f"{op}: params must be a list of {batch} SamplerParams (one per row of logits), "
+                         f"got {len(params)} items")
+    return params
+
+
 def softmax(logits: torch.Tensor, *, temperature: float | torch.Tensor | None = None,
             backend: str = "auto") -> torch.Tensor:
     """Probabilities over the vocabulary: ``softmax(logits / temperature)``, computed in float32.
@@ -217,10 +237,7 @@ def sample(
     """
     _check_logits("sample", logits)
     batch, vocab = logits.shape
-    params = list(params)
-    if len(params) != batch or not all(isinstance(p, SamplerParams) for p in params):
-        raise ValueError(f"sample: params must be a list of {batch} SamplerParams (one per row of logits), "
-                         f"got {len(params)} items")
+    params = _check_params("sample", params, batch)
     if generators is not None and len(generators) != batch:
         raise ValueError(f"sample: generators must have one entry (or None) per row: expected {batch}, "
                          f"got {len(generators)}")
@@ -253,10 +270,7 @@ def filtered_probs(
     """
     _check_logits("filtered_probs", logits)
     batch, vocab = logits.shape
-    params = list(params)
-    if len(params) != batch or not all(isinstance(p, SamplerParams) for p in params):
-        raise ValueError(f"filtered_probs: params must be a list of {batch} SamplerParams (one per row of logits), "
-                         f"got {len(params)} items")
+    params = _check_params("filtered_probs", params, batch)
     tensors = build_batch(params, vocab, token_counts, None, draw=False)
     return registry.resolve("filtered_probs", backend, logits.device)(logits, tensors)
 

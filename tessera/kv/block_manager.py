@@ -113,6 +113,28 @@ def _as_token_ids(token_ids: Iterable[int], name: str) -> list[int]:
     return tokens
 
 
+def _check_num_tokens(op: str, seq_id: int, seq: _Sequence, num_tokens: int, why: str = "") -> None:
+    """Raise unless ``num_tokens`` is an int in ``[seq.num_computed, seq.num_tokens]``.
+
+    Both :meth:`BlockManager.mark_computed` (computed tokens never go back) and :meth:`BlockManager.truncate` (only
+    uncomputed tokens may go) accept exactly that range.
+
+    Parameters
+    ----------
+    op : the method's name, which starts the error message.
+    seq_id, seq : the sequence and its state.
+    num_tokens : the caller's value.
+    why : a clause put before "num_tokens must be ..." in the message ("" for none).
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (
+        seq.num_computed <= num_tokens <= seq.num_tokens
+    ):
+        raise ValueError(
+            f"{op}: sequence {seq_id!r} has {seq.num_computed} computed of {seq.num_tokens} tokens; "
+            f"{why}num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}], got {num_tokens!r}"
+        )
+
+
 class BlockManager:
     """Pages of ``page_size`` tokens out of ``num_pages``, for many sequences.
 
@@ -314,13 +336,7 @@ class BlockManager:
         ``num_tokens`` never decreases and cannot exceed :meth:`num_tokens`.
         """
         seq = self._seq(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (
-            seq.num_computed <= num_tokens <= seq.num_tokens
-        ):
-            raise ValueError(
-                f"mark_computed: sequence {seq_id!r} has {seq.num_computed} computed of {seq.num_tokens} tokens; "
-                f"num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}], got {num_tokens!r}"
-            )
+        _check_num_tokens("mark_computed", seq_id, seq, num_tokens)
         seq.num_computed = num_tokens
         if self._prefix_caching:
             self._register_full_pages(seq)
@@ -334,14 +350,7 @@ class BlockManager:
         was shared), so trimming its token list changes no other sequence.
         """
         seq = self._seq(seq_id)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (
-            seq.num_computed <= num_tokens <= seq.num_tokens
-        ):
-            raise ValueError(
-                f"truncate: sequence {seq_id!r} has {seq.num_computed} computed of {seq.num_tokens} tokens; only "
-                f"uncomputed tokens can be dropped, so num_tokens must be an int in [{seq.num_computed}, "
-                f"{seq.num_tokens}], got {num_tokens!r}"
-            )
+        _check_num_tokens("truncate", seq_id, seq, num_tokens, "only uncomputed tokens can be dropped, so ")
         if num_tokens == seq.num_tokens:
             return
         ps = self._page_size

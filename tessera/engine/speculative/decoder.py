@@ -116,7 +116,7 @@ class SpeculativeDecoder:
         """Set ``seq.draft`` on every running sequence that is about to decode and wants drafts (None elsewhere)."""
         wanted = []
         for seq in seqs:
-            seq.draft = None
+            seq.clear_draft()
             if seq.status is Status.RUNNING and not seq.is_finished:
                 k = self.wanted(seq)
                 if k > 0:

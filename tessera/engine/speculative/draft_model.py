@@ -100,7 +100,10 @@ class DraftModelProposer:
                 feeds.append(new)
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        first, following = None, []
+        # the first forward's time per sequence, kept only when that forward was a steady step (see last_timing)
+        first: float | None = None
+        timed_first = False
+        following: list[float] = []
         while active:
             start = time.perf_counter()
             steady = max(len(f) for f in feeds) <= 2
@@ -124,13 +127,13 @@ class DraftModelProposer:
                     next_active.append(i)
                     next_feeds.append([drawn[i]])
             per_seq = (time.perf_counter() - start) / len(active)
-            if first is None:
-                first = per_seq if steady else float("nan")
+            if not timed_first:
+                timed_first = True
+                first = per_seq if steady else None
             else:
                 following.append(per_seq)
             active, feeds = next_active, next_feeds
-        self.last_timing = (first if first is not None and first == first else None,
-                            sum(following) / len(following) if following else None)
+        self.last_timing = (first, sum(following) / len(following) if following else None)
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _sync(self, seq: Sequence) -> list[int] | None:

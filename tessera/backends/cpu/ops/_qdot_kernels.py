@@ -151,16 +151,29 @@ def _g32_row_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compile
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _g32_x4_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
-    """Group-32 weight row ``n`` (int4 or int8, as :func:`_g32_row_narrow`) dotted with activation rows
-    ``m .. m + 3``: each block's codes unpacked and its scale loaded once for the four rows. Returns the four dots
-    (for int4 without the zero-point terms). Each row is accumulated as :func:`_g32_row_narrow` does (even blocks
-    on one chain, odd on another), so its bits do not depend on the rows that share the call."""
+def _g32_block_x4(isa, xq, xd, m, w, scales, n, b, acc0, acc1, acc2, acc3):  # pragma: no cover - compiled
+    """Block ``b`` of group-32 weight row ``n`` (as :func:`_g32_row_narrow`) dotted with activation rows
+    ``m .. m + 3``, each FMA'd into its own accumulator: the block's codes unpacked and its scale loaded once for the
+    four rows. Returns the four accumulators."""
     nb = xd.shape[1]
     k = xq.shape[1]
-    per = w.shape[1] // nb
-    s = n * scales.shape[1]
-    r = n * w.shape[1]
+    c = block_codes(w, n * w.shape[1] + b * (w.shape[1] // nb))
+    sw = load_f32(scales, n * scales.shape[1] + b)
+    o = b * BLOCK
+    acc0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, m * k + o)), sw * load_f32(xd, m * nb + b), acc0)
+    acc1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, (m + 1) * k + o)), sw * load_f32(xd, (m + 1) * nb + b), acc1)
+    acc2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, (m + 2) * k + o)), sw * load_f32(xd, (m + 2) * nb + b), acc2)
+    acc3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, (m + 3) * k + o)), sw * load_f32(xd, (m + 3) * nb + b), acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _g32_x4_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
+    """Group-32 weight row ``n`` (int4 or int8, as :func:`_g32_row_narrow`) dotted with activation rows
+    ``m .. m + 3`` (:func:`_g32_block_x4` per block). Returns the four dots (for int4 without the zero-point terms).
+    Each row is accumulated as :func:`_g32_row_narrow` does (even blocks on one chain, odd on another, an odd last
+    block on the even chain), so its bits do not depend on the rows that share the call."""
+    nb = xd.shape[1]
     a0 = zero_f32x8()
     a1 = zero_f32x8()
     a2 = zero_f32x8()
@@ -169,33 +182,13 @@ def _g32_x4_narrow(isa, xq, xd, m, w, scales, n):  # pragma: no cover - compiled
     e1 = zero_f32x8()
     e2 = zero_f32x8()
     e3 = zero_f32x8()
-    x0, x1, x2, x3 = m * k, (m + 1) * k, (m + 2) * k, (m + 3) * k
-    d0, d1, d2, d3 = m * nb, (m + 1) * nb, (m + 2) * nb, (m + 3) * nb
     b = 0
     while b + 1 < nb:
-        c = block_codes(w, r + b * per)
-        sw = load_f32(scales, s + b)
-        o = b * BLOCK
-        a0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), a0)
-        a1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), a1)
-        a2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), a2)
-        a3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), a3)
-        c = block_codes(w, r + (b + 1) * per)
-        sw = load_f32(scales, s + b + 1)
-        o += BLOCK
-        e0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b + 1), e0)
-        e1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b + 1), e1)
-        e2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b + 1), e2)
-        e3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b + 1), e3)
+        a0, a1, a2, a3 = _g32_block_x4(isa, xq, xd, m, w, scales, n, b, a0, a1, a2, a3)
+        e0, e1, e2, e3 = _g32_block_x4(isa, xq, xd, m, w, scales, n, b + 1, e0, e1, e2, e3)
         b += 2
     while b < nb:  # an odd block count (a loop, not an if: see _offset)
-        c = block_codes(w, r + b * per)
-        sw = load_f32(scales, s + b)
-        o = b * BLOCK
-        a0 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x0 + o)), sw * load_f32(xd, d0 + b), a0)
-        a1 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x1 + o)), sw * load_f32(xd, d1 + b), a1)
-        a2 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x2 + o)), sw * load_f32(xd, d2 + b), a2)
-        a3 = fma_i32(dot_codes(isa, w, c, load_i8x32(xq, x3 + o)), sw * load_f32(xd, d3 + b), a3)
+        a0, a1, a2, a3 = _g32_block_x4(isa, xq, xd, m, w, scales, n, b, a0, a1, a2, a3)
         b += 1
     return (sum_f32x8(add_f32x8(a0, e0)), sum_f32x8(add_f32x8(a1, e1)), sum_f32x8(add_f32x8(a2, e2)),
             sum_f32x8(add_f32x8(a3, e3)))
