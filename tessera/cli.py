@@ -70,6 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     tune.add_parser(commands)
     quantize.add_parser(commands)
+    from tessera.mlir import dump as mlir_dump  # light: xDSL loads when `tessera mlir dump` runs
+
+    mlir_dump.add_parser(commands)
     return parser
 
 
