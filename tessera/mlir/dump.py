@@ -5,6 +5,7 @@ its attention op.
 
     tessera mlir dump                                   # SmolLM2 layer 0, 16 tokens, every pass
     tessera mlir dump --model m.gguf --layer 3 --tokens 128 --passes fuse-rope,attention-layout{kv=head}
+    tessera mlir dump --module                          # ... then the whole layer as one IREE module (lower_graph)
 
 Only the model's config is read (GGUF metadata or ``config.json``), never its weights. This module imports
 nothing heavy at import time, so ``tessera --help`` stays fast.
@@ -33,11 +34,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--passes", default="all",
                    help="'all' (default), 'none', or a comma list such as fuse-rope,attention-layout{kv=head}")
     p.add_argument("--dtype", default="f32", choices=("f32", "bf16", "f16"), help="element type (default f32)")
+    p.add_argument("--module", action="store_true",
+                   help="end with the whole layer lowered to one IREE module (float32 only) instead of the attention "
+                        "kernel alone")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    dump(read_config(args.model), args.layer, args.tokens, args.passes, dtype=args.dtype)
+    dump(read_config(args.model), args.layer, args.tokens, args.passes, dtype=args.dtype, whole_module=args.module)
     return 0
 
 
@@ -59,9 +63,10 @@ def read_config(path: str | Path | None = None) -> Any:
 
 
 def dump(config: Any, layer: int = 0, tokens: int = 16, passes: str = "all", out: TextIO | None = None,
-         dtype: str = "f32") -> None:
+         dtype: str = "f32", whole_module: bool = False) -> None:
     """Print layer ``layer`` of ``config`` captured for ``tokens`` tokens, the IR after each of ``passes``, and the
-    lowered kernel text of its ``tessera.attention`` (with the key layout its ``kv_layout`` asks for)."""
+    lowered kernel text of its ``tessera.attention`` (with the key layout its ``kv_layout`` asks for), or with
+    ``whole_module`` the layer lowered to one IREE module (:func:`tessera.mlir.lower_graph.lower_graph`)."""
     from tessera.mlir.capture import capture_layer
     from tessera.mlir.dialect import context
     from tessera.mlir.passes import parse_passes
@@ -76,6 +81,12 @@ def dump(config: Any, layer: int = 0, tokens: int = 16, passes: str = "all", out
         p.apply(ctx, module)
         print(f"// ---- after {p.spec(include_default=True)}", file=out)
         print(module, file=out)
+    if whole_module:
+        from tessera.mlir.lower_graph import lower_graph
+
+        print("// ---- the layer as one IREE module (lower_graph)", file=out)
+        print(lower_graph(module).text, file=out)
+        return
     print(attention_kernel_text(module, tokens), file=out)
 
 

@@ -28,6 +28,15 @@ def test_dump_on_a_small_config(monkeypatch, capsys):
     assert out.rstrip().endswith(kernel.rstrip())
 
 
+def test_dump_prints_the_layer_as_one_iree_module(monkeypatch, capsys):
+    monkeypatch.setattr(dump_module, "read_config", lambda path: tiny_config(head_dim=16))
+    assert cli.main(["mlir", "dump", "--tokens", "8", "--module"]) == 0
+    out = capsys.readouterr().out
+    module = out.split("// ---- the layer as one IREE module (lower_graph)\n", 1)[1]
+    assert "func.func @layer_0(" in module and "func.call @attention(" in module
+    assert "func.func private @rms_norm(" in module and "flow.dispatch.workgroups" in module
+
+
 def test_dump_rejects_unknown_passes(monkeypatch, capsys):
     monkeypatch.setattr(dump_module, "read_config", lambda path: tiny_config())
     assert cli.main(["mlir", "dump", "--passes", "fuse-all"]) == 2
