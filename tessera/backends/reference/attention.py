@@ -29,20 +29,23 @@ def sequence_attention(
     kd = k.double().repeat_interleave(spec.group_size, dim=1).permute(1, 0, 2)
     vd = v.double().repeat_interleave(spec.group_size, dim=1).permute(1, 0, 2)
     s = torch.matmul(qd, kd.transpose(1, 2)) * spec.softmax_scale  # [Hq, q_len, kv_len]
-    b = torch.tensor(seq_index)
-    h = torch.arange(spec.num_q_heads).view(-1, 1, 1)
-    q_pos = torch.arange(kv_len - q_len, kv_len).view(1, -1, 1)
-    kv_pos = torch.arange(kv_len).view(1, 1, -1)
+    # Positions live on q's device: the oracle also checks CUDA kernels in place (benchmarks/gpu.py).
+    dev = q.device
+    b = torch.tensor(seq_index, device=dev)
+    h = torch.arange(spec.num_q_heads, device=dev).view(-1, 1, 1)
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=dev).view(1, -1, 1)
+    kv_pos = torch.arange(kv_len, device=dev).view(1, 1, -1)
     if spec.score is not None:
         s = spec.score.apply(s, b, h, q_pos, kv_pos).double()
     if spec.mask is not None:
         keep = torch.broadcast_to(spec.mask.evaluate(b, h, q_pos, kv_pos), s.shape)
         s = s.masked_fill(~keep, float("-inf"))
     if spec.sinks is not None:
-        sink = spec.sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+        sink = spec.sinks.to(dev, torch.float64).view(-1, 1, 1).expand(-1, q_len, 1)
         lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
     else:
-        lse = torch.logsumexp(s, dim=-1) if kv_len else torch.full((spec.num_q_heads, q_len), float("-inf"), dtype=torch.float64)
+        empty = torch.full((spec.num_q_heads, q_len), float("-inf"), dtype=torch.float64, device=dev)
+        lse = torch.logsumexp(s, dim=-1) if kv_len else empty
     finite = torch.isfinite(lse)
     p = torch.where(finite.unsqueeze(-1), torch.exp(s - torch.where(finite, lse, 0.0).unsqueeze(-1)), 0.0)
     out = torch.matmul(p, vd)  # [Hq, q_len, D]
