@@ -5,6 +5,10 @@
   dispatch, over the kv tiles the plan keeps.
 - :mod:`tessera.mlir.iree_compile`: IREE compilation for llvm-cpu (run here) and GPU targets (compile-only), with
   in-memory and on-disk caches.
+- :mod:`tessera.mlir.op_kernels`: the kernel library's ops as dynamic-shape linalg modules.
+- :mod:`tessera.mlir.dialect`, :mod:`~tessera.mlir.capture`, :mod:`~tessera.mlir.passes`, :mod:`~tessera.mlir.dump`:
+  the ``tessera`` dialect (xDSL), decoder capture, fusion passes and ``tessera mlir dump``.
+- :mod:`tessera.mlir.lower_graph`: a captured layer as one IREE module.
 
 The ``mlir`` backend (:mod:`tessera.backends.mlir`) runs these kernels. Nothing here imports IREE until a module is
 compiled.

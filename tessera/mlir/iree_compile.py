@@ -137,16 +137,22 @@ def _runtime_config():
     return rt.Config("local-task")
 
 
-_FUNCTIONS: dict[tuple[str, str], Callable] = {}
+_FUNCTIONS: dict[tuple[str, str], Callable] = {}  # (binary digest, entry): texts that compile alike share one
+_BY_TEXT: dict[tuple[str, str], Callable] = {}
 
 
 def load_function(text: str, entry: str) -> Callable:
     """The compiled function ``entry`` of ``text`` on this CPU, callable with NumPy arrays (results stay as IREE
     device arrays: call ``.to_host()``)."""
+    with _LOCK:  # the per-call path: a dict hit on the text itself (str caches its hash), no sha256 of text or binary
+        fn = _BY_TEXT.get((text, entry))
+    if fn is not None:
+        return fn
     binary = compile_module(text)
     key = (hashlib.sha256(binary).hexdigest(), entry)
     with _LOCK:
         if key in _FUNCTIONS:
+            _BY_TEXT[(text, entry)] = _FUNCTIONS[key]
             return _FUNCTIONS[key]
     import iree.runtime as rt
 
@@ -156,6 +162,7 @@ def load_function(text: str, entry: str) -> Callable:
     fn = context.modules.module[entry]
     with _LOCK:
         _FUNCTIONS[key] = fn
+        _BY_TEXT[(text, entry)] = fn
     return fn
 
 

@@ -22,6 +22,7 @@ import torch
 
 from tessera.attention import masks as M
 from tessera.attention import scores as S
+from tessera.attention.symbolic import SymbolicOperators, pack_aux
 from tessera.mlir.text import TextBuilder
 
 #: keys per vector (one AVX-512 register of float32; two AVX2 registers)
@@ -114,20 +115,7 @@ class AuxValues:
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """``(aux_i int32, aux_f float32)``: headers with array offsets filled in, then the arrays."""
-        ints = list(self._ints)
-        parts, pos = [], len(ints)
-        for slot, arr in self._int_arrays:
-            ints[slot] = pos
-            parts.append(arr)
-            pos += arr.size
-        fparts, fpos = [], len(self._floats)
-        for slot, arr in self._float_arrays:
-            ints[slot] = fpos
-            fparts.append(arr)
-            fpos += arr.size
-        aux_i = np.concatenate([np.asarray(ints, dtype=np.int32), *parts])
-        aux_f = np.concatenate([np.asarray(self._floats, dtype=np.float32), *fparts])
-        return (aux_i if aux_i.size else np.zeros(1, np.int32)), (aux_f if aux_f.size else np.zeros(1, np.float32))
+        return pack_aux(self._ints, self._floats, self._int_arrays, self._float_arrays)
 
 
 class Scope:
@@ -188,7 +176,7 @@ _INT_COMPARE = {"<": "slt", "<=": "sle", ">": "sgt", ">=": "sge", "==": "eq", "!
 _FLOAT_COMPARE = {"<": "olt", "<=": "ole", ">": "ogt", ">=": "oge", "==": "oeq", "!=": "une"}
 
 
-class Sym:
+class Sym(SymbolicOperators):
     """One traced vector value: its SSA name and kind (bool, int or float)."""
 
     __slots__ = ("name", "kind", "scope")
@@ -258,32 +246,6 @@ class Sym:
             return self._emit(f"arith.cmpf {_FLOAT_COMPARE[op]}, {a.name}, {b.name} : {vtype(FLOAT)}", BOOL)
         return self._emit(f"arith.cmpi {_INT_COMPARE[op]}, {a.name}, {b.name} : {vtype(INT)}", BOOL)
 
-    # ---- Python operators ------------------------------------------------------------------------------------
-    def __add__(self, o): return self._binary(o, "+")
-    def __radd__(self, o): return self._binary(o, "+", True)
-    def __sub__(self, o): return self._binary(o, "-")
-    def __rsub__(self, o): return self._binary(o, "-", True)
-    def __mul__(self, o): return self._binary(o, "*")
-    def __rmul__(self, o): return self._binary(o, "*", True)
-    def __truediv__(self, o): return self._binary(o, "/")
-    def __rtruediv__(self, o): return self._binary(o, "/", True)
-    def __floordiv__(self, o): return self._binary(o, "//")
-    def __rfloordiv__(self, o): return self._binary(o, "//", True)
-    def __mod__(self, o): return self._binary(o, "%")
-    def __rmod__(self, o): return self._binary(o, "%", True)
-    def __and__(self, o): return self._binary(o, "&")
-    def __rand__(self, o): return self._binary(o, "&", True)
-    def __or__(self, o): return self._binary(o, "|")
-    def __ror__(self, o): return self._binary(o, "|", True)
-    def __xor__(self, o): return self._binary(o, "^")
-    def __rxor__(self, o): return self._binary(o, "^", True)
-    def __lt__(self, o): return self._compare(o, "<")
-    def __le__(self, o): return self._compare(o, "<=")
-    def __gt__(self, o): return self._compare(o, ">")
-    def __ge__(self, o): return self._compare(o, ">=")
-    def __eq__(self, o): return self._compare(o, "==")  # type: ignore[override]
-    def __ne__(self, o): return self._compare(o, "!=")  # type: ignore[override]
-    __hash__ = None  # type: ignore[assignment]
 
     def __neg__(self) -> Sym:
         if self.kind == FLOAT:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tessera.attention.symbolic import pack_aux
+
 _INT32 = np.iinfo(np.int32)
 
 
@@ -53,18 +55,4 @@ class Emitter:
 
     def buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """``(aux_i int32, aux_f float32)``: headers with array offsets filled in, then the arrays."""
-        ints = list(self._ints)
-        int_parts, pos = [], len(ints)
-        for slot, arr in self._int_arrays:
-            ints[slot] = pos
-            int_parts.append(arr)
-            pos += arr.size
-        float_parts, fpos = [], len(self._floats)
-        for slot, arr in self._float_arrays:
-            ints[slot] = fpos
-            float_parts.append(arr)
-            fpos += arr.size
-        aux_i = np.concatenate([np.asarray(ints, dtype=np.int32), *int_parts])
-        aux_f = np.concatenate([np.asarray(self._floats, dtype=np.float32), *float_parts])
-        # Kernels take pointers, so never hand them an empty buffer.
-        return (aux_i if aux_i.size else np.zeros(1, np.int32)), (aux_f if aux_f.size else np.zeros(1, np.float32))
+        return pack_aux(self._ints, self._floats, self._int_arrays, self._float_arrays)

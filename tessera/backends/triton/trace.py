@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tessera.attention.symbolic import SymbolicOperators
 from tessera.backends.triton.emitter import Emitter
 
 
@@ -40,7 +41,7 @@ def _promote(*kinds: str) -> str:
     return BOOL
 
 
-class Sym:
+class Sym(SymbolicOperators):
     """A symbolic value inside a traced function: Triton source text and its kind (bool, int or float)."""
 
     __slots__ = ("code", "kind", "em")
@@ -79,32 +80,6 @@ class Sym:
         o = self._wrap(other)
         return Sym(f"({self.code} {op} {o.code})", BOOL, self.em)
 
-    # ---- Python operators --------------------------------------------------------------------------------------
-    def __add__(self, o): return self._binary(o, "+")
-    def __radd__(self, o): return self._binary(o, "+", True)
-    def __sub__(self, o): return self._binary(o, "-")
-    def __rsub__(self, o): return self._binary(o, "-", True)
-    def __mul__(self, o): return self._binary(o, "*")
-    def __rmul__(self, o): return self._binary(o, "*", True)
-    def __truediv__(self, o): return self._binary(o, "/")
-    def __rtruediv__(self, o): return self._binary(o, "/", True)
-    def __floordiv__(self, o): return self._binary(o, "//")
-    def __rfloordiv__(self, o): return self._binary(o, "//", True)
-    def __mod__(self, o): return self._binary(o, "%")
-    def __rmod__(self, o): return self._binary(o, "%", True)
-    def __and__(self, o): return self._binary(o, "&")
-    def __rand__(self, o): return self._binary(o, "&", True)
-    def __or__(self, o): return self._binary(o, "|")
-    def __ror__(self, o): return self._binary(o, "|", True)
-    def __xor__(self, o): return self._binary(o, "^")
-    def __rxor__(self, o): return self._binary(o, "^", True)
-    def __lt__(self, o): return self._compare(o, "<")
-    def __le__(self, o): return self._compare(o, "<=")
-    def __gt__(self, o): return self._compare(o, ">")
-    def __ge__(self, o): return self._compare(o, ">=")
-    def __eq__(self, o): return self._compare(o, "==")  # type: ignore[override]
-    def __ne__(self, o): return self._compare(o, "!=")  # type: ignore[override]
-    __hash__ = None  # type: ignore[assignment]
 
     def __neg__(self) -> Sym:
         return Sym(f"(-{self.code})", INT if self.kind == BOOL else self.kind, self.em)
