@@ -108,16 +108,23 @@ def resolve_optional(op: str, backend: str, device) -> Callable | None:
 
 
 def _resolve(op: str, backend: str, device_type: str) -> Callable:
-    have = implementations(op)
-    if not have:
-        raise ValueError(f"no backend implements kernel op {op!r}")
+    # Only the tables of the backends asked about are built: `implementations` imports every backend's op modules
+    # (triton's import alone is ~0.13 s), which a CPU-only run never needs; it is called only to word an error.
     if backend == "auto":
         for candidate in backends.by_priority(device_type):
-            if candidate.name in have:
-                return table(candidate.name)[op]
+            fn = table(candidate.name).get(op)
+            if fn is not None:
+                return fn
+        have = implementations(op)
+        if not have:
+            raise ValueError(f"no backend implements kernel op {op!r}")
         raise ValueError(f"no usable backend runs kernel op {op!r} on {device_type} tensors; backends that implement "
                          f"it: {have} (`tessera info` says why one is unusable)")
     backends.get(backend)  # unknown names raise here
-    if backend not in have:
+    fn = table(backend).get(op)
+    if fn is None:
+        have = implementations(op)
+        if not have:
+            raise ValueError(f"no backend implements kernel op {op!r}")
         raise ValueError(f"backend {backend!r} does not implement {op!r}; backends that do: {have}")
-    return table(backend)[op]
+    return fn
