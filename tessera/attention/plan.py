@@ -18,6 +18,7 @@ from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import DEFAULT_PLAN_OPTIONS, AttentionRequest, KVLayout, PlanOptions, RaggedBatch
 from tessera.backends.registry import select
 from tessera.dtypes import FLOAT_DTYPES
+from tessera.kv.quantized import QuantizedPages
 
 
 class AttentionPlan:
@@ -27,6 +28,8 @@ class AttentionPlan:
                  backend_name: str, options: PlanOptions = DEFAULT_PLAN_OPTIONS) -> None:
         self.spec, self.batch, self.page_size, self.options = spec, batch, page_size, options
         self._layout = KVLayout.paged(page_table, page_size)
+        self._page_table = page_table
+        self._used: torch.Tensor | None = None  # pages read, for de-quantizing only those (see run)
         used = [page_table[s, : math.ceil(kl / page_size)] for s, kl in enumerate(batch.kv_lens)]
         self._max_page = max((int(u.max()) for u in used if u.size), default=-1)
         self._backend_name = backend_name
@@ -34,14 +37,18 @@ class AttentionPlan:
         self._state = None
 
     def run(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, return_lse: bool = False
+        self, q: torch.Tensor, k_pages: torch.Tensor | QuantizedPages, v_pages: torch.Tensor | QuantizedPages,
+        return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of every planned sequence against its pages.
 
         Parameters
         ----------
         q : torch.Tensor ``[sum(q_lens), Hq, D]``
-        k_pages, v_pages : torch.Tensor ``[num_pages, page_size, Hkv, D]``, q's dtype and device
+        k_pages, v_pages : ``[num_pages, page_size, Hkv, D]``: tensors in q's dtype and device, or both
+            :class:`~tessera.kv.quantized.QuantizedPages` of one format (a quantized ``PagedKVCache``). A backend
+            whose plan reads quantized rows itself (``reads_quantized_kv``) gets them as they are; for any other,
+            the pages the plan reads are de-quantized to q's dtype first.
         return_lse : also return the log-sum-exp ``[sum(q_lens), Hq]`` float32 (sinks included).
 
         Returns
@@ -50,10 +57,24 @@ class AttentionPlan:
         """
         self._check(q, k_pages, v_pages)
         self.backend_state(q.dtype, q.device)
+        if isinstance(k_pages, QuantizedPages):
+            reads = getattr(self._backend, "reads_quantized_kv", None)
+            if reads is None or not reads(self._state, k_pages.fmt):
+                used = self._used_pages(k_pages.device)
+                k_pages, v_pages = k_pages.dequantize(q.dtype, used), v_pages.dequantize(q.dtype, used)
         rows_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         out, lse = execute(self._backend, self._state, self.spec, q, k_pages.reshape(rows_shape),
                            v_pages.reshape(rows_shape), self.batch.total_q)
         return (out, lse) if return_lse else out
+
+    def _used_pages(self, device: torch.device) -> torch.Tensor:
+        """int64 ids of the pages this plan reads (computed once)."""
+        if self._used is None or self._used.device != device:
+            table, size = self._page_table, self.page_size
+            ids = [np.asarray(table[s, : math.ceil(kl / size)]) for s, kl in enumerate(self.batch.kv_lens)]
+            flat = np.unique(np.concatenate(ids)) if ids else np.zeros(0, dtype=np.int64)
+            self._used = torch.from_numpy(flat.astype(np.int64)).to(device)
+        return self._used
 
     def backend_state(self, dtype: torch.dtype, device: torch.device) -> tuple[object, object]:
         """``(backend, its plan)`` for tensors of ``dtype`` on ``device``: chosen and planned on the first call.
@@ -65,13 +86,23 @@ class AttentionPlan:
             self._state = self._backend.plan(self.spec, self.batch, self._layout, self.options)
         return self._backend, self._state
 
-    def _check(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+    def _check(self, q: torch.Tensor, k_pages, v_pages) -> None:
         spec, where = self.spec, "AttentionPlan.run"
-        for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-            if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{where}: {name} must be a float32/bfloat16/float16 tensor, got {getattr(t, 'dtype', type(t))}")
-        if q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
-            raise TypeError(f"{where}: q, k_pages, v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        quantized = isinstance(k_pages, QuantizedPages)
+        if quantized or isinstance(v_pages, QuantizedPages):
+            if not (quantized and isinstance(v_pages, QuantizedPages)) or k_pages.fmt != v_pages.fmt:
+                raise TypeError(f"{where}: k_pages and v_pages must both be QuantizedPages of one format or both "
+                                f"tensors, got {_describe(k_pages)} and {_describe(v_pages)}")
+            if not isinstance(q, torch.Tensor) or q.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{where}: q must be a float32/bfloat16/float16 tensor, got {_describe(q)}")
+        else:
+            for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+                if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+                    raise TypeError(f"{where}: {name} must be a float32/bfloat16/float16 tensor, got "
+                                    f"{getattr(t, 'dtype', type(t))}")
+            if q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
+                raise TypeError(f"{where}: q, k_pages, v_pages must share one dtype, got {q.dtype}, "
+                                f"{k_pages.dtype}, {v_pages.dtype}")
         if tuple(q.shape) != (self.batch.total_q, spec.num_q_heads, spec.head_dim):
             raise ValueError(f"{where}: q must be [sum(q_lens), Hq, D] = "
                              f"{[self.batch.total_q, spec.num_q_heads, spec.head_dim]}, got {list(q.shape)}")
@@ -82,6 +113,12 @@ class AttentionPlan:
         if self._max_page >= k_pages.shape[0]:
             raise ValueError(f"{where}: the page table uses page {self._max_page} but the cache has only "
                              f"{k_pages.shape[0]} pages")
+
+
+def _describe(t) -> str:
+    if isinstance(t, QuantizedPages):
+        return f"QuantizedPages({t.fmt})"
+    return str(getattr(t, "dtype", type(t).__name__))
 
 
 def plan(

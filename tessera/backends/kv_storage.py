@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tessera.backends import registry
+from tessera.kv.quantized import QuantizedPages, quantize_kv
 
 
 class KVStorage:
@@ -29,6 +30,19 @@ class KVStorage:
         """
         k_rows.index_copy_(0, slots, k_new)
         v_rows.index_copy_(0, slots, v_new)
+
+    def write_slots_quantized(self, k_rows: QuantizedPages, v_rows: QuantizedPages, k_new: torch.Tensor,
+                              v_new: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantize the new rows (:func:`~tessera.kv.quantized.quantize_kv`) and store codes and scales.
+
+        k_rows, v_rows : token-row views ``[num_slots, Hkv, D]`` of one layer's quantized pools; the rest as in
+        :meth:`write_slots`.
+        """
+        for rows, new in ((k_rows, k_new), (v_rows, v_new)):
+            codes, scales = quantize_kv(new, rows.fmt)
+            # index_copy_ has no float8 kernel on every device: copy the codes' bytes
+            rows.codes.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+            rows.scales.index_copy_(0, slots, scales)
 
     def copy_pages(self, pools: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
         """Copy page ``src`` to ``dst`` in every pool, in the order given (copy-on-write of a shared page)."""

@@ -9,6 +9,7 @@ import torch
 from tessera.backends.registry import parse_device
 from tessera.dtypes import FLOAT_DTYPES
 from tessera.backends.kv_storage import KVStorage, storage_for
+from tessera.kv.quantized import KV_FORMATS, SCALE_DTYPE, QuantizedPages, bytes_per_token, check_format
 
 
 class PagedKVCache:
@@ -19,10 +20,15 @@ class PagedKVCache:
     num_layers, num_pages, page_size, num_kv_heads, head_dim : int
         Each layer holds ``k_pages[layer]`` and ``v_pages[layer]`` of shape ``[num_pages, page_size, Hkv, D]``.
     dtype : torch.float32, torch.bfloat16 or torch.float16
+        The dtype :meth:`write` takes and attention computes in.
     device : where the pools live (default CPU).
     backend : whose :class:`~tessera.backends.kv_storage.KVStorage` allocates and writes them (``"auto"``: the
         highest-priority usable backend for ``device``'s tensors; the cpu backend writes host pools with a Numba
         kernel, a backend without storage of its own gets torch's ``index_copy_``).
+    kv_cache_dtype : None, "int8" or "fp8_e4m3"
+        None stores K/V in ``dtype``. A quantized format stores each layer's pools as
+        :class:`~tessera.kv.quantized.QuantizedPages` (codes plus a float16 scale per token and head), quantized as
+        they are written; ``plan(...).run`` reads them as they are.
 
     Token ``j`` of a sequence whose page table row is ``pages`` lives in slot ``pages[j // page_size] * page_size +
     j % page_size``; :meth:`write` takes those slots (the BlockManager's ``slot_mapping``).
@@ -36,7 +42,8 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", backend: str = "auto") -> None:
+                 dtype: torch.dtype, device: str | torch.device = "cpu", backend: str = "auto",
+                 kv_cache_dtype: str | None = None) -> None:
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -45,18 +52,30 @@ class PagedKVCache:
             raise TypeError(f"PagedKVCache: dtype must be float32, bfloat16 or float16, got {dtype}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.kv_cache_dtype = check_format(kv_cache_dtype, "PagedKVCache")
         self.device = parse_device(device, "PagedKVCache")
         self.storage: KVStorage = storage_for(backend, self.device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_pages = [self.storage.allocate(shape, dtype, self.device) for _ in range(num_layers)]
-        self.v_pages = [self.storage.allocate(shape, dtype, self.device) for _ in range(num_layers)]
+        self.k_pages = [self._pool(shape) for _ in range(num_layers)]
+        self.v_pages = [self._pool(shape) for _ in range(num_layers)]
         # the last slots checked: a step passes the same tensor to every layer's write, so it is validated (and
         # moved to the pools' device) once per step, not once per layer
         self._checked: tuple[object, int, torch.Tensor] | None = None
 
+    def _pool(self, shape: tuple[int, ...]) -> torch.Tensor | QuantizedPages:
+        if self.kv_cache_dtype is None:
+            return self.storage.allocate(shape, self.dtype, self.device)
+        codes = self.storage.allocate(shape, KV_FORMATS[self.kv_cache_dtype][0], self.device)
+        return QuantizedPages(codes, self.storage.allocate(shape[:-1], SCALE_DTYPE, self.device), self.kv_cache_dtype)
+
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes across every layer's K and V (codes and scales for a quantized cache)."""
+        return self.num_layers * bytes_per_token(self.num_kv_heads, self.head_dim, self.dtype, self.kv_cache_dtype)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | list[int]) -> None:
         """Store new tokens' K and V of one layer into their slots.
@@ -84,7 +103,11 @@ class PagedKVCache:
         if slot_rows.shape[0] == 0:
             return
         rows = (-1, self.num_kv_heads, self.head_dim)
-        self.storage.write_slots(self.k_pages[layer].view(rows), self.v_pages[layer].view(rows), k, v, slot_rows)
+        if self.kv_cache_dtype is None:
+            self.storage.write_slots(self.k_pages[layer].view(rows), self.v_pages[layer].view(rows), k, v, slot_rows)
+        else:
+            self.storage.write_slots_quantized(self.k_pages[layer].reshape(rows), self.v_pages[layer].reshape(rows),
+                                               k, v, slot_rows)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: page ``src`` -> ``dst`` in every layer's K and V, in the order given."""
@@ -92,8 +115,13 @@ class PagedKVCache:
             for page in (src, dst):
                 if not 0 <= page < self.num_pages:
                     raise IndexError(f"PagedKVCache.copy_pages: page {page} out of range [0, {self.num_pages})")
-        if copies:
+        if not copies:
+            return
+        if self.kv_cache_dtype is None:
             self.storage.copy_pages([*self.k_pages, *self.v_pages], copies)
+        else:
+            pools = [*self.k_pages, *self.v_pages]
+            self.storage.copy_pages([p.codes for p in pools] + [p.scales for p in pools], copies)
 
     def _slots(self, slots: torch.Tensor | list[int]) -> torch.Tensor:
         """``slots`` checked (1-D, distinct, in range) as int64 on the pools' device. A tensor already checked and
