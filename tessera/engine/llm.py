@@ -22,6 +22,7 @@ from tessera.engine.text_check import surrogate_message
 from tessera.kv import BlockManager
 from tessera.models.load import load_model
 from tessera.models.model import Model, to_device
+from tessera.kv.quantized import bytes_per_token, check_format
 from tessera.models.paged import new_cache
 
 Prompt = str | list[int]
@@ -42,6 +43,9 @@ class LLM:
     num_pages : KV pages; None derives it from ``kv_cache_memory`` (capped at what ``max_num_seqs`` full-length
         sequences could use).
     kv_cache_memory : bytes for K and V of all layers when ``num_pages`` is None.
+    kv_cache_dtype : None (K/V in the model's dtype), ``"int8"`` or ``"fp8_e4m3"``: pages hold codes and a float16
+        scale per token and head, quantized as they are written (docs/quantization.md), about half of bf16's bytes,
+        so the same ``kv_cache_memory`` holds ~2x the tokens of bf16 (~4x float32's).
     enable_prefix_caching : reuse the KV of full pages shared with earlier prompts.
     keep_quantized : GGUF only, as :func:`tessera.models.load_model`: None (default) keeps Q4_0 / Q4_1 / Q8_0
         projections packed, False dequantizes every weight to ``dtype``.
@@ -67,8 +71,10 @@ class LLM:
                  num_pages: int | None = None, kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
                  enable_prefix_caching: bool = True, keep_quantized: bool | None = None,
                  device: str | torch.device | None = None,
-                 speculative: str | SpeculativeConfig | None = None, num_draft: int | None = None) -> None:
+                 speculative: str | SpeculativeConfig | None = None, num_draft: int | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         spec_config = parse_speculative(speculative, num_draft)  # a bad value fails before the model loads
+        self.kv_cache_dtype = check_format(kv_cache_dtype, "LLM")
         if isinstance(model, Model):
             self.model = model if device is None else to_device(model, resolve_device(model.backend, device))
         else:
@@ -77,7 +83,7 @@ class LLM:
         if num_pages is None:
             num_pages = self._pages_for(kv_cache_memory, page_size, max_num_seqs)
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
-        self.cache = new_cache(self.model, num_pages, page_size)
+        self.cache = new_cache(self.model, num_pages, page_size, self.kv_cache_dtype)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.speculative: SpeculativeDecoder | None = None
         if spec_config is not None:
@@ -103,7 +109,8 @@ class LLM:
 
     def _pages_for(self, memory: int, page_size: int, max_num_seqs: int) -> int:
         c = self.model.config
-        per_page = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * self.model.dtype.itemsize
+        per_page = c.num_layers * page_size * bytes_per_token(c.num_kv_heads, c.head_dim, self.model.dtype,
+                                                               self.kv_cache_dtype)
         wanted = max_num_seqs * math.ceil(self.max_len / page_size)
         pages = min(memory // per_page, wanted)
         if pages < 1:

@@ -27,11 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.kv.formats import KV_CACHE_DTYPES
+
 #: name -> (codes dtype, largest code magnitude)
 KV_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "int8": (torch.int8, 127.0),
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
 }
+assert tuple(KV_FORMATS) == KV_CACHE_DTYPES, "tessera.kv.formats lists the same names"
 #: the scales' dtype (see the module docstring)
 SCALE_DTYPE = torch.float16
 

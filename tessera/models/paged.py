@@ -69,11 +69,12 @@ def slots_for(page_table_row: list[int] | torch.Tensor, positions: range | list[
     return [row[p // page_size] * page_size + p % page_size for p in positions]
 
 
-def new_cache(model: Model, num_pages: int, page_size: int) -> PagedKVCache:
-    """A page pool shaped for ``model`` in its dtype, on its device, stored the way its backend stores KV."""
+def new_cache(model: Model, num_pages: int, page_size: int, kv_cache_dtype: str | None = None) -> PagedKVCache:
+    """A page pool shaped for ``model`` in its dtype (or quantized: ``kv_cache_dtype`` "int8" / "fp8_e4m3"), on its
+    device, stored the way its backend stores KV."""
     c = model.config
     return PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype,
-                        device=model.device, backend=model.backend)
+                        device=model.device, backend=model.backend, kv_cache_dtype=kv_cache_dtype)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from tessera.tools.placement_flags import add_placement_flags
 from tessera.tools.speculative_flags import add_speculative_flags, speculative_args
-from tessera.tools.weight_flags import add_weight_flags, keep_quantized
+from tessera.tools.weight_flags import add_kv_cache_flag, add_weight_flags, keep_quantized
 
 if TYPE_CHECKING:  # the command imports torch and the engine only when it runs
     from tessera._compile_clock import KernelClock
@@ -51,6 +51,7 @@ def add_parser(commands) -> None:
                         "on a backend that needs no compiling while they compile in the background")
     add_placement_flags(p)
     add_weight_flags(p)
+    add_kv_cache_flag(p)
     add_speculative_flags(p)
     p.set_defaults(run=_run)
 
@@ -95,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         if quick is not None:
             model = dataclasses.replace(model, backend=quick)
         llm = LLM(model, max_num_seqs=1, page_size=PAGE_SIZE, num_pages=_pages_needed(model, prompt, params),
-                  **speculative)
+                  kv_cache_dtype=args.kv_cache_dtype, **speculative)
         phases.engine = time.perf_counter()
     progress = CompileProgress(verbose=args.verbose)
     with kernel_clock(progress.on_compile, progress.on_compiled) as clock:

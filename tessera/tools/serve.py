@@ -11,7 +11,7 @@ from typing import Any
 
 from tessera.tools.placement_flags import add_placement_flags
 from tessera.tools.speculative_flags import add_speculative_flags, speculative_args
-from tessera.tools.weight_flags import add_weight_flags, keep_quantized
+from tessera.tools.weight_flags import add_kv_cache_flag, add_weight_flags, keep_quantized
 
 API_KEY_ENV = "TESSERA_API_KEY"
 
@@ -27,6 +27,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     add_placement_flags(p)
     add_weight_flags(p)
+    add_kv_cache_flag(p)
     add_speculative_flags(p)
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens per engine step at most")
@@ -78,7 +79,8 @@ def make_server(args: argparse.Namespace) -> Any:
     llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
               kv_cache_memory=args.kv_cache_memory_mib * 2**20, enable_prefix_caching=not args.no_prefix_caching,
-              keep_quantized=keep_quantized(args), device=args.device, **speculative_args(args))
+              keep_quantized=keep_quantized(args), device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+              **speculative_args(args))
     app = create_app(llm, args.served_model_name or model_name(args.model), api_key=args.api_key,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.kv.formats import KV_CACHE_DTYPES
+
 
 def add_weight_flags(p: argparse.ArgumentParser) -> None:
     """``--keep-quantized`` / ``--dequantize`` (mutually exclusive); neither: packed where the type allows."""
@@ -22,3 +24,10 @@ def keep_quantized(args: argparse.Namespace) -> bool | None:
     if args.keep_quantized:
         return True
     return False if args.dequantize else None
+
+
+def add_kv_cache_flag(p: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``: the engine's ``kv_cache_dtype`` (default: K/V pages in the model's dtype)."""
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="quantize K/V pages as they are written (a float16 scale per token and head): about half "
+                        "the bytes of bf16 pages, so twice the tokens in the same memory; default: the model's dtype")

@@ -125,6 +125,12 @@ class CpuBackend:
         if plan.prefill_seqs:
             prefill_attention(q, k_rows, v_rows, plan.batch, plan.layout, plan.prefill_seqs, plan.spec, out, lse)
 
+    def reads_quantized_kv(self, plan: CpuPlan, fmt: str) -> bool:
+        """Whether :meth:`run` takes quantized rows (``fmt``: a :data:`tessera.kv.quantized.KV_FORMATS` name) as they
+        are: decode-only steps (the Numba decode kernel reads int8 and e4m3 codes); prefill tiles and cascades read
+        floats, so for those steps the plan de-quantizes the pages it reads."""
+        return not plan.cascades and not plan.prefill_seqs
+
     @staticmethod
     def _split(batch: RaggedBatch, spec: AttentionSpec) -> tuple[list[int], list[int]]:
         """Decode-shaped sequences (few queries) and tiny prefills go to Numba when the spec allows it; the rest to

@@ -63,12 +63,15 @@ class _F32VectorModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _VEC)
 
 
-_STORAGE = (types.float32, types.uint16, types.int16)
+#: float32, bf16 bits, fp16 bits; and the quantized KV codes (``tessera.kv.quantized``): int8, and e4m3 bits as
+#: uint8, whose widened value is the e4m3 value times 2^-120 (``decode_kernel_q8`` folds 2^120 into the row scales)
+_STORAGE = (types.float32, types.uint16, types.int16, types.int8, types.uint8)
 
 
 def _check_array(arr, what: str, storage=_STORAGE) -> None:
     if not isinstance(arr, types.Array) or arr.dtype not in storage:
-        raise TypingError(f"{what}: expected a float32, uint16 (bf16 bits) or int16 (fp16 bits) array, got {arr}")
+        raise TypingError(f"{what}: expected an array of {[str(t) for t in storage]} (float32, bf16 bits, fp16 bits, "
+                          f"int8 codes, e4m3 bits), got {arr}")
     if arr.layout != "C":
         raise TypingError(f"{what}: the array must be C-contiguous (flat offsets), got layout {arr.layout!r}")
 
@@ -82,6 +85,14 @@ def _element_pointer(context, builder, arr_type, arr, index, index_type):
 def _widen(builder, raw, dtype):
     if dtype == types.float32:
         return raw
+    if dtype == types.int8:
+        return builder.sitofp(raw, _VEC)
+    if dtype == types.uint8:  # e4m3 bits: exponent and mantissa to float32 bit 20, the sign to bit 31
+        i32 = ir.VectorType(ir.IntType(32), LANES)
+        wide = builder.zext(raw, i32)
+        body = builder.shl(builder.and_(wide, ir.Constant(i32, [0x7F] * LANES)), ir.Constant(i32, [20] * LANES))
+        sign = builder.shl(builder.and_(wide, ir.Constant(i32, [0x80] * LANES)), ir.Constant(i32, [24] * LANES))
+        return builder.bitcast(builder.or_(body, sign), _VEC)
     if dtype == types.uint16:  # bf16 bits are the high half of a float32
         wide = builder.zext(raw, ir.VectorType(ir.IntType(32), LANES))
         shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
@@ -329,6 +340,14 @@ def _widen_scalar(builder, raw, dtype):
         return raw
     if dtype == types.uint16:
         return builder.bitcast(builder.shl(builder.zext(raw, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), _F32)
+    if dtype == types.int8:
+        return builder.sitofp(raw, _F32)
+    if dtype == types.uint8:  # e4m3 bits, as _widen
+        i32 = ir.IntType(32)
+        wide = builder.zext(raw, i32)
+        body = builder.shl(builder.and_(wide, ir.Constant(i32, 0x7F)), ir.Constant(i32, 20))
+        sign = builder.shl(builder.and_(wide, ir.Constant(i32, 0x80)), ir.Constant(i32, 24))
+        return builder.bitcast(builder.or_(body, sign), _F32)
     return builder.fpext(builder.bitcast(raw, ir.HalfType()), _F32)
 
 
