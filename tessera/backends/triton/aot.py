@@ -52,11 +52,11 @@ def compile_attention(spec: AttentionSpec, dtype: torch.dtype, cfg: LaunchConfig
     variant = codegen.generate(spec)
     module = codegen.load(variant.source) if variant.source else None
     t = _TT[dtype]
-    ptrs = {"Q": t, "K": t, "V": t, "OUT": t, "LSE": "fp32", "PART_OUT": "fp32", "PART_LSE": "fp32", "SINKS": "fp32",
+    ptrs = {"Q": t, "K": t, "V": t, "KS": "fp16", "VS": "fp16", "OUT": t, "LSE": "fp32", "PART_OUT": "fp32", "PART_LSE": "fp32", "SINKS": "fp32",
             "ITEMS": "i32", "TILES": "i32", "ROW_BASE": "i32", "AUX_I": "i32", "AUX_F": "fp32"}
     signature = {name: "*" + ty for name, ty in ptrs.items()}
     for name in ("row_base_stride", "block_size", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
-                 "stride_vh", "stride_ot", "stride_oh", "stride_lt"):
+                 "stride_vh", "stride_st", "stride_ot", "stride_oh", "stride_lt"):
         signature[name] = "i32"
     signature["sm_scale"] = "fp32"
     d = spec.head_dim
@@ -66,6 +66,7 @@ def compile_attention(spec: AttentionSpec, dtype: torch.dtype, cfg: LaunchConfig
         "HAS_MASK": variant.has_mask, "HAS_SCORE": variant.has_score, "HAS_SINKS": spec.sinks is not None,
         "HEAD_DIM": d, "BLOCK_D": max(16, 1 << (d - 1).bit_length()), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "HEADS": heads, "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "DOT_UPCAST": False,
+        "KV_QUANT": 0,
     }
     for name in constexprs:
         signature[name] = "constexpr"

@@ -62,6 +62,10 @@ class TritonBackend:
 
         return build_plan(spec, batch, layout)
 
+    def reads_quantized_kv(self, plan, fmt: str) -> bool:
+        """Every plan reads int8 and e4m3 KV codes itself (de-quantized per tile as loaded)."""
+        return fmt in ("int8", "fp8_e4m3")
+
     def run(self, plan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor) -> None:
         from tessera.backends.triton.runner import run_plan

@@ -40,12 +40,25 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _codes_to_float(codes, KV_QUANT: tl.constexpr):
+    """Quantized KV codes as float32: int8 as numbers (KV_QUANT 1); e4m3 bytes (KV_QUANT 2, loaded as uint8) by
+    moving exponent and mantissa to float32's bit 20 and the sign to bit 31, which is the e4m3 value times 2^-120
+    (subnormals included), then scaling by 2^120."""
+    if KV_QUANT == 1:
+        return codes.to(tl.float32)
+    bits = codes.to(tl.int32)
+    f = (((bits & 0x7F) << 20) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return f * 1.329227995784916e36  # 2^120
+
+
+@triton.jit
 def _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_pos, offs_n, offs_d,
-               K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, sm_scale,
+               K, V, KS, VS, AUX_I, AUX_F, block_size, stride_kt, stride_kh, stride_vt, stride_vh, stride_st,
+               qk_scale, sm_scale,
                MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr,
                MASKED: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               DOT_UPCAST: tl.constexpr):
+               DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr):
     """One kv tile of the online softmax; MASKED (partial) tiles drop keys past ``kv_len`` and evaluate the mask."""
     kv_pos = kv_start + offs_n  # [BLOCK_N]
     if MASKED:
@@ -59,7 +72,13 @@ def _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_po
         kv_mask = key_ok[None, :] & d_ok[:, None]
     else:
         kv_mask = d_ok[:, None]
-    k = tl.load(K + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=kv_mask, other=0.0)
+    k = tl.load(K + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=kv_mask, other=0)
+    if KV_QUANT != 0:  # codes [BLOCK_D, BLOCK_N] times each key's scale, in q's dtype for the dot
+        if MASKED:
+            k_scale = tl.load(KS + rows * stride_st + kvh, mask=key_ok, other=0.0).to(tl.float32)
+        else:
+            k_scale = tl.load(KS + rows * stride_st + kvh).to(tl.float32)
+        k = (_codes_to_float(k, KV_QUANT) * k_scale[None, :]).to(q.dtype)
     s = _dot(q, k, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] float32
     if HAS_SCORE:
         s = SCORE_FN(s * sm_scale, seq, h[:, None], q_pos[:, None], kv_pos[None, :], AUX_I, AUX_F) * 1.4426950408889634
@@ -79,7 +98,13 @@ def _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_po
         v_mask = key_ok[:, None] & d_ok[None, :]
     else:
         v_mask = d_ok[None, :]
-    v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=v_mask, other=0.0)
+    v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=v_mask, other=0)
+    if KV_QUANT != 0:
+        if MASKED:
+            v_scale = tl.load(VS + rows * stride_st + kvh, mask=key_ok, other=0.0).to(tl.float32)
+        else:
+            v_scale = tl.load(VS + rows * stride_st + kvh).to(tl.float32)
+        v = (_codes_to_float(v, KV_QUANT) * v_scale[:, None]).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return m_new, l_i, acc
 
@@ -106,16 +131,19 @@ def _store_rows(OUT, LSE, out, lse, q_rows, h, row_ok, offs_d, stride_ot, stride
 
 @triton.jit
 def attention_kernel(
-    Q, K, V, OUT, LSE, PART_OUT, PART_LSE, SINKS, ITEMS, TILES, ROW_BASE, AUX_I, AUX_F,
+    Q, K, V, KS, VS, OUT, LSE, PART_OUT, PART_LSE, SINKS, ITEMS, TILES, ROW_BASE, AUX_I, AUX_F,
     row_base_stride, block_size,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_ot, stride_oh, stride_lt,
     sm_scale,
     MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SCORE: tl.constexpr, HAS_SINKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """One work item: ``BLOCK_M`` (token, head) rows of one GQA group against its planned kv tiles.
+
+    With KV_QUANT (1: int8, 2: e4m3 bytes), K and V hold codes and KS / VS their float16 scales ``[rows, Hkv]``
+    (row stride ``stride_st``), de-quantized per tile in registers; otherwise KS / VS are unused.
 
     Writes the finished rows (``out`` in the output dtype, ``lse`` natural log, sinks folded in) or, for a split
     item, its normalized partial rows and their log2-domain lse into ``PART_OUT`` / ``PART_LSE`` slot ``SLOT``.
@@ -153,15 +181,15 @@ def attention_kernel(
     for i in range(0, full_cnt):
         kv_start = tl.load(TILES + full_off + i)
         m_i, l_i, acc = _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_pos, offs_n,
-                                   offs_d, K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh, stride_vt,
-                                   stride_vh, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK, HAS_SCORE, False,
-                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_UPCAST)
+                                   offs_d, K, V, KS, VS, AUX_I, AUX_F, block_size, stride_kt, stride_kh,
+                                   stride_vt, stride_vh, stride_st, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK,
+                                   HAS_SCORE, False, HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_UPCAST, KV_QUANT)
     for i in range(0, part_cnt):
         kv_start = tl.load(TILES + part_off + i)
         m_i, l_i, acc = _tile_step(q, m_i, l_i, acc, kv_start, seq, kv_len, kvh, b_row_base, h, q_pos, offs_n,
-                                   offs_d, K, V, AUX_I, AUX_F, block_size, stride_kt, stride_kh, stride_vt,
-                                   stride_vh, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK, HAS_SCORE, True,
-                                   HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_UPCAST)
+                                   offs_d, K, V, KS, VS, AUX_I, AUX_F, block_size, stride_kt, stride_kh,
+                                   stride_vt, stride_vh, stride_st, qk_scale, sm_scale, MASK_FN, SCORE_FN, HAS_MASK,
+                                   HAS_SCORE, True, HEAD_DIM, BLOCK_D, DOT_PRECISION, DOT_UPCAST, KV_QUANT)
 
     if slot >= 0:
         # A split of a decode item: store normalized rows and their log2 lse; merge_kernel finishes them.

@@ -10,6 +10,16 @@ from tessera.backends.triton import codegen, prelude
 from tessera.backends.triton.configs import configs_for, interpreting
 from tessera.backends.triton.kernels import attention_kernel, merge_kernel
 from tessera.backends.triton.planner import TritonPlan, plan_launches, row_table
+from tessera.kv.quantized import QuantizedPages
+
+#: the kernel's KV_QUANT code per quantized KV format
+_KV_QUANT = {"int8": 1, "fp8_e4m3": 2}
+
+
+def _codes(rows: QuantizedPages) -> torch.Tensor:
+    """Codes as the kernel loads them: int8 as is, e4m3 as uint8 bytes (widened by bit operations in the kernel,
+    which also runs under the interpreter, where float8 loads are not supported everywhere)."""
+    return rows.codes if rows.codes.dtype == torch.int8 else rows.codes.view(torch.uint8)
 
 
 def build_plan(spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> TritonPlan:
@@ -41,10 +51,20 @@ def _device_state(plan: TritonPlan, device: torch.device) -> dict:
     return plan.device_state[key]
 
 
-def run_plan(plan: TritonPlan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor) -> None:
-    """Fill ``out [total_q, Hq, D]`` (q's dtype, sinks folded in) and ``lse [total_q, Hq]`` float32."""
+def run_plan(plan: TritonPlan, q: torch.Tensor, k_rows, v_rows, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fill ``out [total_q, Hq, D]`` (q's dtype, sinks folded in) and ``lse [total_q, Hq]`` float32.
+
+    ``k_rows`` / ``v_rows``: ``[rows, Hkv, D]`` tensors in q's dtype, or both
+    :class:`~tessera.kv.quantized.QuantizedPages` rows (the kernel de-quantizes each tile as it loads it).
+    """
     spec = plan.spec
+    if isinstance(k_rows, QuantizedPages):
+        quant = _KV_QUANT[k_rows.fmt]
+        ks, vs = k_rows.scales, v_rows.scales
+        k_rows, v_rows = _codes(k_rows), _codes(v_rows)
+    else:
+        quant, ks = 0, torch.zeros(1, 1, dtype=torch.float16, device=q.device)
+        vs = ks
     state = _device_state(plan, q.device)
     d = spec.head_dim
     block_d = max(16, 1 << (d - 1).bit_length())
@@ -56,16 +76,16 @@ def run_plan(plan: TritonPlan, q: torch.Tensor, k_rows: torch.Tensor, v_rows: to
         part_out = torch.empty(max(launch.num_slots, 1) * cfg.block_m * block_d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(max(launch.num_slots, 1) * cfg.block_m, dtype=torch.float32, device=q.device)
         attention_kernel[(launch.num_items,)](
-            q, k_rows, v_rows, out, lse, part_out, part_lse, state["sinks"], items, tiles, state["row_base"],
+            q, k_rows, v_rows, ks, vs, out, lse, part_out, part_lse, state["sinks"], items, tiles, state["row_base"],
             state["aux_i"], state["aux_f"],
             state["row_base"].stride(0), plan.block_size,
             q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
+            ks.stride(0), out.stride(0), out.stride(1), lse.stride(0),
             spec.softmax_scale,
             MASK_FN=state["mask_fn"], SCORE_FN=state["score_fn"],
             HAS_MASK=spec.mask is not None, HAS_SCORE=spec.score is not None, HAS_SINKS=spec.sinks is not None,
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS=launch.heads,
-            DOT_PRECISION=precision, DOT_UPCAST=interpreting() and q.dtype == torch.bfloat16,
+            DOT_PRECISION=precision, DOT_UPCAST=interpreting() and q.dtype == torch.bfloat16, KV_QUANT=quant,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if len(launch.merges):
