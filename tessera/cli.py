@@ -1,8 +1,9 @@
 """The ``tessera`` command line: ``tessera info`` (versions, backends, this machine's ceilings), ``tessera validate``
 (a model against transformers, layer by layer), ``tessera generate`` (stream a completion), ``tessera warmup``
 (compile a model's kernels ahead of its first run), ``tessera serve`` (the OpenAI-compatible server), ``tessera
-profile`` (where a request's time goes), ``tessera bench`` (benchmarks, comparisons, plots) and ``tessera quantize``
-(a model written as a quantized GGUF file).
+profile`` (where a request's time goes), ``tessera bench`` (benchmarks, comparisons, plots), ``tessera quantize``
+(a model written as a quantized GGUF file) and ``tessera perplexity`` (perplexity over a text file, by llama.cpp's
+protocol).
 
 Run as ``tessera <command>`` (the installed entry point) or ``python -m tessera <command>``.
 """
@@ -60,7 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
     # light: torch loads when one runs
-    from tessera.tools import bench, generate, profile, quantize, serve, tune, validate, warmup
+    from tessera.tools import bench, generate, perplexity, profile, quantize, serve, tune, validate, warmup
 
     validate.add_parser(commands)
     generate.add_parser(commands)
@@ -70,6 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     tune.add_parser(commands)
     quantize.add_parser(commands)
+    perplexity.add_parser(commands)
     from tessera.mlir import dump as mlir_dump  # light: xDSL loads when `tessera mlir dump` runs
 
     mlir_dump.add_parser(commands)
