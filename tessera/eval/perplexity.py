@@ -100,7 +100,8 @@ class PerplexityResult:
 
 def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int] | torch.Tensor | None = None,
                ctx: int = 512, max_chunks: int | None = None, batch: int = 1, add_bos: bool | None = None,
-               on_chunk: Callable[[RunningPPL, int], None] | None = None) -> PerplexityResult:
+               on_chunk: Callable[[RunningPPL, int], None] | None = None,
+               kv_cache_dtype: str | None = None) -> PerplexityResult:
     """Perplexity of ``model`` over ``text`` (or its tokens) by llama.cpp's protocol (see the module docstring).
 
     Parameters
@@ -124,6 +125,11 @@ def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int
         False for a model without a tokenizer.
     on_chunk : callable, optional
         Called after each window as ``on_chunk(running, n_chunks)`` (a progress bar's hook).
+    kv_cache_dtype : str, optional
+        ``"int8"`` or ``"fp8_e4m3"``: run each window through a paged KV cache in that format
+        (:class:`tessera.eval.cache_logits.CacheLogits`: every K/V the attention reads is quantized, as in the
+        engine), to measure the format's cost. Default: ``Model.logits`` (K/V in the model's dtype; the same
+        numbers as the paged path with an unquantized cache).
 
     Returns
     -------
@@ -138,6 +144,13 @@ def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int
         Neither or both of ``text`` and ``token_ids``, or token ids that are not a 1-D integer sequence.
     """
     _check_sizes(model, ctx, max_chunks, batch)
+    if kv_cache_dtype is not None:
+        from tessera.eval.cache_logits import CacheLogits
+        from tessera.kv.quantized import check_format
+
+        window_logits = CacheLogits(model, check_format(kv_cache_dtype, "perplexity"))
+    else:
+        window_logits = model.logits
     ctx, batch = int(ctx), int(batch)
     max_chunks = None if max_chunks is None else int(max_chunks)
     started = time.perf_counter()
@@ -166,7 +179,7 @@ def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int
     running: list[RunningPPL] = []
     for lo in range(0, n_chunks, batch):
         block = windows[lo: lo + batch]
-        logits = model.logits(block)  # [b, ctx, vocab] float32, on the model's device
+        logits = window_logits(block)  # [b, ctx, vocab] float32, on the model's device
         for row in range(block.shape[0]):
             sums.add(_nll(logits[row, first: ctx - 1], block[row, first + 1:]))
             ppl, stderr = sums.estimate()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.tools.placement_flags import add_placement_flags
-from tessera.tools.weight_flags import add_weight_flags, keep_quantized
+from tessera.tools.weight_flags import add_kv_cache_flag, add_weight_flags, keep_quantized
 
 if TYPE_CHECKING:  # the CLI parser imports this module; torch loads only when the command runs
     from tessera.eval.perplexity import RunningPPL
@@ -43,6 +43,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--json", metavar="OUT", help="write the result, running values included, to OUT as JSON")
     add_placement_flags(p)
     add_weight_flags(p)
+    add_kv_cache_flag(p)
     p.set_defaults(run=_run)
 
 
@@ -70,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
         model = load_model(args.model, dtype=args.dtype, backend=args.backend, keep_quantized=keep_quantized(args),
                            device=args.device)
     with _ProgressBar(err) as bar:
-        result = perplexity(model, text, ctx=args.ctx, max_chunks=args.chunks, batch=args.batch, on_chunk=bar.update)
+        result = perplexity(model, text, ctx=args.ctx, max_chunks=args.chunks, batch=args.batch, on_chunk=bar.update,
+                            kv_cache_dtype=args.kv_cache_dtype)
     print(",".join(f"[{r.chunks}]{r.ppl:.4f}" for r in result.running))
     print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.stderr:.5f}")
     err.print(f"{result.n_chunks} chunks of {result.ctx} tokens ({result.n_tokens} in the text, {result.n_scored} "
@@ -92,6 +94,7 @@ def _settings(args: argparse.Namespace, model: Any) -> dict[str, Any]:
 
     return {"ctx": args.ctx, "chunks": args.chunks, "batch": args.batch, "dtype": args.dtype,
             "backend": args.backend, "device": str(model.device), "keep_quantized": keep_quantized(args),
+            "kv_cache_dtype": args.kv_cache_dtype,
             "torch_threads": torch.get_num_threads(), "tessera": tessera.__version__, "argv": sys.argv[1:]}
 
 

@@ -181,3 +181,24 @@ def test_inputs_refused(tiny):
     no_bos = dataclasses.replace(model, tokenizer=None, config=dataclasses.replace(model.config, bos_token_id=None))
     with pytest.raises(ValueError, match="names a BOS token"):
         perplexity(no_bos, token_ids=[1] * 40, ctx=CTX, add_bos=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_kv_cache_dtype_runs_windows_through_quantized_pages(tiny, fmt):
+    """With kv_cache_dtype every window runs through a paged cache in that format: the figure is the protocol over
+    CacheLogits' logits, close to the float one but not equal (the K/V were quantized)."""
+    from tessera.eval.cache_logits import CacheLogits
+
+    _, model, _ = tiny
+    text = sample_text(CTX * 5 + 3, seed=4)
+    ids = model.tokenizer.encode(text).ids
+    plain = perplexity(model, text, ctx=CTX)
+    quantized = perplexity(model, text, ctx=CTX, kv_cache_dtype=fmt, batch=2)
+    logits = CacheLogits(model, fmt)
+    ppl, *_ = reference(lambda w: logits(torch.tensor([w]))[0], ids, CTX, None)
+    assert quantized.ppl == pytest.approx(ppl, rel=1e-6)
+    assert quantized.ppl != plain.ppl and quantized.ppl == pytest.approx(plain.ppl, rel=0.05)
+    # an unquantized cache is Model.logits exactly
+    assert torch.equal(CacheLogits(model)(torch.tensor([ids[:CTX]])), model.logits(torch.tensor([ids[:CTX]])))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        perplexity(model, text, ctx=CTX, kv_cache_dtype="int4")
