@@ -41,6 +41,11 @@ def attention(
     -------
     ``[B, Sq, Hq, D]`` in q's dtype (and lse when asked).
 
+    Notes
+    -----
+    Under ``torch.compile`` this traces as one ``tessera::attention`` op (no graph break); when q, k, v or the sinks
+    require a gradient it is differentiable (the backward recomputes in float64). docs/integrations.md has both.
+
     Examples
     --------
     >>> spec = AttentionSpec(32, 8, 128, mask=causal())
@@ -55,6 +60,8 @@ def attention(
             f"attention: Sq ({sq}) > Skv ({skv}). Queries are the last Sq positions of the kv, so the kv must "
             "include them: append the new tokens' k/v before attending"
         )
+    if _torch_op_needed(q, k, v, spec):
+        return _torch_ops().dense_attention(q, k, v, spec, backend, return_lse)
     batch = RaggedBatch((sq,) * bsz, (skv,) * bsz)
     if spec.mask is not None:
         spec.mask.check_lengths(bsz, list(batch.kv_lens), dense=True)
@@ -88,8 +95,15 @@ def varlen_attention(
     Returns
     -------
     ``[sum(q_lens), Hq, D]`` in q's dtype (and lse ``[sum(q_lens), Hq]`` float32 when asked).
+
+    Notes
+    -----
+    Traceable by ``torch.compile`` (``tessera::varlen_attention``; pass the lengths as int tensors so new lengths
+    do not recompile) and differentiable, as :func:`attention`.
     """
     _check_tensors(q, k, v, spec, ndim=3)
+    if _torch_op_needed(q, k, v, spec):
+        return _torch_ops().ragged_attention(q, k, v, q_lens, kv_lens, spec, backend, return_lse)
     batch = ragged_batch(q_lens, kv_lens, spec, "varlen_attention")
     if batch.total_q != q.shape[0] or batch.total_kv != k.shape[0]:
         raise ValueError(
@@ -100,7 +114,26 @@ def varlen_attention(
     return (out, lse) if return_lse else out
 
 
+def _torch_op_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """While ``torch.compile`` traces, or when an input wants a gradient, attention runs as the ``tessera::attention``
+    custom op (tessera/integrations/attention_ops.py): the kernels below are opaque to Dynamo and have no autograd."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        spec.sinks is not None and spec.sinks.requires_grad))
+
+
+def _torch_ops():
+    # Imported on first use: the custom ops import this module, and plain inference never needs them.
+    from tessera.integrations import attention_ops
+
+    return attention_ops
+
+
 def _run(q, k, v, batch: RaggedBatch, spec: AttentionSpec, backend: str):
+    # Tensors that require a gradient reach here only under no_grad (else the op above runs); kernels read NumPy
+    # views, which torch refuses on such tensors.
+    q, k, v = q.detach(), k.detach(), v.detach()
     chosen = select(AttentionRequest(spec, q.dtype, q.device), backend)
     if batch.total_q == 0:
         empty = q.new_empty(q.shape)

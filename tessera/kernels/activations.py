@@ -69,6 +69,10 @@ def silu_and_mul(gate_up: torch.Tensor, *, backend: str = "auto") -> torch.Tenso
     >>> h = silu_and_mul(gate_up) @ w_down.T       # [tokens, hidden]
     """
     _check_gated("silu_and_mul", gate_up)
+    if torch.compiler.is_compiling():  # the Numba kernels are opaque to Dynamo: trace the custom op instead
+        from tessera.integrations import kernel_ops
+
+        return kernel_ops.silu_and_mul(gate_up, backend=backend)
     return registry.resolve("silu_and_mul", backend, gate_up.device)(gate_up)
 
 

@@ -48,6 +48,10 @@ def rms_norm(
     _check_norm_input("rms_norm", x, weight, eps)
     if residual is not None:
         _check_same("rms_norm", "residual", residual, x)
+    if torch.compiler.is_compiling():  # the Numba kernels are opaque to Dynamo: trace the custom op instead
+        from tessera.integrations import kernel_ops
+
+        return kernel_ops.rms_norm(x, weight, eps, residual=residual, gemma=gemma, backend=backend)
     return registry.resolve("rms_norm", backend, x.device)(x, weight, float(eps), residual, bool(gemma))
 
 

@@ -287,6 +287,10 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight, *, backend: str = "auto") -> t
         raise ValueError(f"x is [M, K] = {tuple(x.shape)} but qw is [N, K] = {qw.shape}: K differs")
     if qw.device != x.device:
         raise ValueError(f"x is on {x.device} but qw on {qw.device}; move the QuantizedWeight's tensors")
+    if torch.compiler.is_compiling():  # the kernels are opaque to Dynamo: trace the custom op instead
+        from tessera.integrations import kernel_ops
+
+        return kernel_ops.qmatmul(x, qw, backend=backend)
     return registry.resolve("qmatmul", backend, x.device)(x, qw)
 
 

@@ -233,6 +233,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope: 
     >>> q, k = torch.randn(5, 8, 64), torch.randn(5, 2, 64)
     >>> q, k = apply_rope(q, k, torch.arange(5), rope)
     """
+    if torch.compiler.is_compiling():
+        # The kernels are opaque to Dynamo and the position range check reads values: trace the custom op, whose
+        # implementation runs this function (checks included) when the graph runs.
+        from tessera.integrations import kernel_ops
+
+        return kernel_ops.apply_rope(q, k, positions, rope, interleaved=interleaved, backend=backend)
     _check_qk(q, k, positions, rope)
     fn = registry.resolve("apply_rope", backend, q.device)
     if q.shape[0] == 0:
