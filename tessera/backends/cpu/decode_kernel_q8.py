@@ -147,15 +147,21 @@ def _decode_item_q8(item, q, k, ks, v, vs, unit, part_out, part_lse, sch):  # pr
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _scale_columns(sc, scales, unit, row_off, row_elems, hkv, rows_h, cn):  # pragma: no cover - compiled
-    """``sc[r, c] *= scale of key c's row for r's kv head`` for the chunk's ``cn`` keys (head ``hk`` owns rows
-    ``hk * rows_h ..``)."""
-    for c in range(cn):
-        row = row_off[c] // row_elems
-        for hk in range(hkv):
-            f = widen(scales[row, hk]) * unit
-            for r in range(hk * rows_h, (hk + 1) * rows_h):
-                sc[r, c] *= f
+def _scale_columns(sc, scales, unit, rowi, colscale, hkv, rows_h, cn):  # pragma: no cover - compiled
+    """``sc[r, c] *= scale of key c (token row rowi[c]) for r's kv head`` (head ``hk`` owns rows ``hk * rows_h ..``).
+
+    The chunk's scales of one head are gathered into ``colscale`` first, so the multiply runs along whole
+    ``CHUNK``-wide rows (vectorized) instead of down columns; columns past ``cn`` get 0, which the float kernel's
+    softmax overwrites (before it) or leaves 0 (after it)."""
+    width = sc.shape[1]
+    for hk in range(hkv):
+        for c in range(cn):
+            colscale[c] = widen(scales[rowi[c], hk]) * unit
+        for c in range(cn, width):
+            colscale[c] = 0.0
+        for r in range(hk * rows_h, (hk + 1) * rows_h):
+            for c in range(width):
+                sc[r, c] *= colscale[c]
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -177,6 +183,8 @@ def _decode_item_q8_blocked(item, q, k, ks, v, vs, unit, part_out, part_lse, sch
     l = np.zeros(nrows, dtype=np.float32)
     sc = np.empty((nrows + 3, CHUNK), dtype=np.float32)
     row_off = np.empty(CHUNK, dtype=np.int64)
+    rowi = np.empty(CHUNK, dtype=np.int64)
+    colscale = np.empty(CHUNK, dtype=np.float32)
     next_off = np.empty(CHUNK, dtype=np.int64)
     post = sch.softcap > 0.0 or sch.slopes.shape[0] > 0
     for seg in range(sch.item_seg_lo[item], sch.item_seg_hi[item]):
@@ -186,6 +194,7 @@ def _decode_item_q8_blocked(item, q, k, ks, v, vs, unit, part_out, part_lse, sch
         for j0 in range(j_begin, j_end, CHUNK):
             cn = min(CHUNK, j_end - j0)
             _row_offsets(row_off, 0, s, j0, cn, sch.row_base, sch.block, row_elems)
+            _row_offsets(rowi, 0, s, j0, cn, sch.row_base, sch.block, 1)  # token rows, for the scales
             next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, sch.item_seg_hi[item], sch.seg_start, sch.seg_end,
                                     sch.row_base, sch.block, row_elems)
             if next_n < CHUNK and next_item >= 0:
@@ -195,7 +204,7 @@ def _decode_item_q8_blocked(item, q, k, ks, v, vs, unit, part_out, part_lse, sch
                                         sch.item_seg_hi[next_item], sch.seg_start, sch.seg_end, sch.row_base, sch.block,
                                         row_elems)
             _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn)
-            _scale_columns(sc, ks, unit, row_off, row_elems, hkv, rows_h, cn)
+            _scale_columns(sc, ks, unit, rowi, colscale, hkv, rows_h, cn)
             if post:
                 for h in range(hq):
                     for i in range(nq):
@@ -211,7 +220,7 @@ def _decode_item_q8_blocked(item, q, k, ks, v, vs, unit, part_out, part_lse, sch
                 _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
                             cn)
             _online_softmax_blocked(sc, m, l, acc, cn)
-            _scale_columns(sc, vs, unit, row_off, row_elems, hkv, rows_h, cn)
+            _scale_columns(sc, vs, unit, rowi, colscale, hkv, rows_h, cn)
             _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
     _write_item(item, acc, m, l, part_out, part_lse)
 
