@@ -2,8 +2,8 @@
 (a model against transformers, layer by layer), ``tessera generate`` (stream a completion), ``tessera warmup``
 (compile a model's kernels ahead of its first run), ``tessera serve`` (the OpenAI-compatible server), ``tessera
 profile`` (where a request's time goes), ``tessera bench`` (benchmarks, comparisons, plots), ``tessera quantize``
-(a model written as a quantized GGUF file) and ``tessera perplexity`` (perplexity over a text file, by llama.cpp's
-protocol).
+(a model written as a quantized GGUF file), ``tessera perplexity`` (perplexity over a text file, by llama.cpp's
+protocol) and ``tessera quant-report`` (what each weight and KV cache format costs in quality, memory and speed).
 
 Run as ``tessera <command>`` (the installed entry point) or ``python -m tessera <command>``.
 """
@@ -61,7 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     info.add_argument("--refresh", action="store_true", help="re-measure the ceilings instead of using the cache")
     info.set_defaults(run=_run_info)
     # light: torch loads when one runs
-    from tessera.tools import bench, generate, perplexity, profile, quantize, serve, tune, validate, warmup
+    from tessera.tools import (bench, generate, perplexity, profile, quant_report, quantize, serve, tune, validate,
+                               warmup)
 
     validate.add_parser(commands)
     generate.add_parser(commands)
@@ -72,6 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_parser(commands)
     quantize.add_parser(commands)
     perplexity.add_parser(commands)
+    quant_report.add_parser(commands)
     from tessera.mlir import dump as mlir_dump  # light: xDSL loads when `tessera mlir dump` runs
 
     mlir_dump.add_parser(commands)

@@ -10,41 +10,27 @@ import torch
 from tessera.engine.sequence import Sequence
 from tessera.engine.speculative.config import SELF_FORMATS
 from tessera.engine.speculative.proposer import Draft
-from tessera.kernels.quant import QuantizedWeight, StackedWeight, dequantize, quantize
 from tessera.kernels.sampling import filtered_probs
 from tessera.kv import BlockManager, OutOfPagesError
 from tessera.models.model import Model
 from tessera.models.paged import StepBatch, forward_step, new_cache
-
-#: the weights a self-draft quantizes: the four projections of every layer, and the output table
-_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+from tessera.models.requantize import requantize_model
 
 
 def self_draft_model(target: Model, fmt: str) -> Model:
     """The target with its projections and output table quantized to ``fmt`` (see
     :data:`tessera.engine.speculative.config.SELF_FORMATS`); norms and the embedding table are shared, not copied.
 
-    A packed target weight is de-quantized first, so ``self:q4_0`` of a Q8_0 file drafts with 4-bit weights.
+    A packed target weight is de-quantized first, so ``self:q4_0`` of a Q8_0 file drafts with 4-bit weights. An
+    output table whose width is not a multiple of the group stays as it is.
     """
     if fmt not in SELF_FORMATS:
         raise ValueError(f"self-draft format must be one of {list(SELF_FORMATS)}, got {fmt!r}")
     qfmt, group = SELF_FORMATS[fmt]
-    weights = dict(target.weights)
-    for name, w in target.weights.items():
-        if name.startswith("layers.") and name.endswith(".weight") and name.rsplit(".", 2)[-2] in _PROJECTIONS:
-            weights[name] = _requantize(w, qfmt, group, target.backend)
-    head = target.weights.get("lm_head", target.weights["embed"])
-    if head.shape[1] % group == 0:
-        weights["lm_head"] = _requantize(head, qfmt, group, target.backend)
-    return Model(target.config, weights, target.tokenizer, target.chat_template, target.backend)
-
-
-def _requantize(w, fmt: str, group: int, backend: str) -> QuantizedWeight:
-    if isinstance(w, (QuantizedWeight, StackedWeight)):
-        w = dequantize(w, backend=backend)
-    if w.shape[1] % group:
-        raise ValueError(f"self-draft: a weight of shape {tuple(w.shape)} has K not a multiple of {group}")
-    return quantize(w.float() if w.dtype != torch.float32 else w, fmt, group, backend=backend)
+    try:
+        return requantize_model(target, qfmt, group, tables="output", skip_odd_tables=True)
+    except ValueError as err:
+        raise ValueError(f"self-draft: {err}") from None
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
