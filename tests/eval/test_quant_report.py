@@ -159,8 +159,8 @@ def test_cli_writes_table_json_and_plot(tiny, tmp_path, capsys):
     record = json.loads(out.read_text())
     assert datetime.date.fromisoformat(record["date"])
     assert {"rows", "model", "ctx", "n_chunks", "n_scored", "n_tokens", "add_bos", "group_size", "decode_tokens",
-            "decode_repeats", "prompt_tokens", "reference", "reference_bytes", "text", "settings", "seconds", "others_busy",
-            "machine"} <= set(record)
+            "decode_repeats", "prompt_tokens", "reference", "reference_bytes", "text", "settings", "seconds",
+            "others_busy", "machine"} <= set(record)
     assert record["reference"] == "fp32" and record["ctx"] == CTX and record["n_chunks"] == 2
     assert [r["name"] for r in record["rows"]] == ["fp32", "int8", "int4"]
     assert all(set(r) == ROW_KEYS for r in record["rows"])
