@@ -38,7 +38,7 @@ from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import cascade as cascade_mod
 from tessera.backends.cpu.backend import CpuBackend
 from tessera.backends.cpu.ops._narrow import storage_view
-from tessera.backends.cpu.decode_kernel import decode_attention_kernel
+from tessera.backends.cpu.decode_kernel import NO_SCALES, decode_attention_kernel
 from tessera.bench.suites.paged import HKV, HQ, D, cascade_plans, make_shared_prefix_batch
 from tessera.hw import get_ceilings
 
@@ -55,8 +55,9 @@ def decode_rows(reps: int, quick: bool) -> list[dict[str, Any]]:
     dplan = CpuBackend().plan(spec, batch, KVLayout.contiguous(batch)).decode
     part_out = np.empty((dplan.num_items, dplan.rows_per_item, D), np.float32)
     part_lse = np.empty((dplan.num_items, dplan.rows_per_item), np.float32)
-    args = (q.reshape(b, HQ, D).numpy(), storage_view(k.reshape(b * length, HKV, D)),
-            storage_view(v.reshape(b * length, HKV, D)), part_out, part_lse, dplan.schedule)
+    args = (q.reshape(b, HQ, D).numpy(), storage_view(k.reshape(b * length, HKV, D)), NO_SCALES,
+            storage_view(v.reshape(b * length, HKV, D)), NO_SCALES, np.float32(1.0), part_out, part_lse,
+            dplan.schedule)
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     fns: dict[str, Callable[[], Any]] = {
         "attention()": lambda: attention(q, k, v, spec, backend="cpu"),

@@ -143,7 +143,7 @@ def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int
     TypeError
         Neither or both of ``text`` and ``token_ids``, or token ids that are not a 1-D integer sequence.
     """
-    _check_sizes(model, ctx, max_chunks, batch)
+    check_window_sizes(model, ctx, max_chunks, batch, where="perplexity")
     if kv_cache_dtype is not None:
         from tessera.eval.cache_logits import CacheLogits
         from tessera.kv.quantized import check_format
@@ -152,27 +152,8 @@ def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int
     else:
         window_logits = model.logits
     ctx, batch = int(ctx), int(batch)
-    max_chunks = None if max_chunks is None else int(max_chunks)
-    started = time.perf_counter()
-    if (text is None) == (token_ids is None):
-        raise TypeError("perplexity: pass exactly one of text and token_ids")
-    if text is not None:
-        if model.tokenizer is None:
-            raise ValueError("perplexity: the model has no tokenizer; tokenize the text elsewhere and pass token_ids")
-        tokens = torch.tensor(tokenize(model.tokenizer, text), dtype=torch.int64)
-    else:
-        tokens = _as_ids(token_ids)
-    tokenize_seconds = time.perf_counter() - started if text is not None else 0.0
-    bos = _bos_for_windows(model, add_bos)
-    if tokens.numel() < 2 * ctx:
-        raise ValueError(f"perplexity: a context of {ctx} needs at least {2 * ctx} tokens (two windows, "
-                         f"llama-perplexity's minimum); the text has {tokens.numel()}")
-    n_chunks = tokens.numel() // ctx  # the partial window at the end is never scored
-    if max_chunks is not None:
-        n_chunks = min(n_chunks, max_chunks)
-    windows = tokens[: n_chunks * ctx].view(n_chunks, ctx).clone()  # [n_chunks, ctx] int64
-    if bos is not None:
-        windows[:, 0] = bos
+    cut = cut_windows(model, text, token_ids, ctx=ctx, max_chunks=max_chunks, add_bos=add_bos, where="perplexity")
+    windows, n_chunks, bos = cut.ids, cut.ids.shape[0], cut.bos
     first = ctx // 2
     start = time.perf_counter()
     sums = _Sums()
@@ -188,9 +169,73 @@ def perplexity(model: Model, text: str | None = None, *, token_ids: Sequence[int
                 on_chunk(running[-1], n_chunks)
         del logits
     ppl, stderr = sums.estimate()
-    return PerplexityResult(ppl=ppl, stderr=stderr, nll=sums.total / sums.count, n_tokens=int(tokens.numel()),
+    return PerplexityResult(ppl=ppl, stderr=stderr, nll=sums.total / sums.count, n_tokens=cut.n_tokens,
                             n_scored=sums.count, n_chunks=n_chunks, ctx=ctx, add_bos=bos is not None,
-                            seconds=time.perf_counter() - start, tokenize_seconds=tokenize_seconds, running=running)
+                            seconds=time.perf_counter() - start, tokenize_seconds=cut.tokenize_seconds,
+                            running=running)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """A text cut into scoring windows (steps 1-3 of the module docstring).
+
+    Attributes
+    ----------
+    ids : int64 tensor ``[n_chunks, ctx]``
+        The windows, BOS first when ``bos`` is set.
+    n_tokens : int
+        Tokens of the whole text.
+    bos : int or None
+        The token each window starts with, or None when windows are left as cut.
+    tokenize_seconds : float
+        Wall time of tokenizing the text (0 when token ids were given).
+    """
+
+    ids: torch.Tensor
+    n_tokens: int
+    bos: int | None
+    tokenize_seconds: float
+
+
+def cut_windows(model: Model, text: str | None = None, token_ids: Sequence[int] | torch.Tensor | None = None, *,
+                ctx: int, max_chunks: int | None = None, add_bos: bool | None = None,
+                where: str = "perplexity") -> Windows:
+    """Tokenize ``text`` (or take its ``token_ids``) and cut it into windows of ``ctx`` tokens as
+    :func:`perplexity` scores them; ``where`` prefixes the error messages (the caller's name).
+
+    Raises
+    ------
+    TypeError
+        Neither or both of ``text`` and ``token_ids``, or token ids that are not a 1-D integer sequence.
+    ValueError
+        A model without a tokenizer given text, fewer than ``2 * ctx`` tokens, or a token id outside the model's
+        vocabulary.
+    """
+    started = time.perf_counter()
+    if (text is None) == (token_ids is None):
+        raise TypeError(f"{where}: pass exactly one of text and token_ids")
+    if text is not None:
+        if model.tokenizer is None:
+            raise ValueError(f"{where}: the model has no tokenizer; tokenize the text elsewhere and pass token_ids")
+        tokens = torch.tensor(tokenize(model.tokenizer, text), dtype=torch.int64)
+    else:
+        tokens = _as_ids(token_ids)
+    tokenize_seconds = time.perf_counter() - started if text is not None else 0.0
+    bos = _bos_for_windows(model, add_bos)
+    if tokens.numel() < 2 * ctx:
+        raise ValueError(f"{where}: a context of {ctx} needs at least {2 * ctx} tokens (two windows, "
+                         f"llama-perplexity's minimum); the text has {tokens.numel()}")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= model.config.vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, {model.config.vocab_size}) (the model's vocabulary), "
+                         f"got [{low}, {high}]; was the text tokenized for another model?")
+    n_chunks = tokens.numel() // ctx  # the partial window at the end is never scored
+    if max_chunks is not None:
+        n_chunks = min(n_chunks, int(max_chunks))
+    windows = tokens[: n_chunks * ctx].view(n_chunks, ctx).clone()  # [n_chunks, ctx] int64
+    if bos is not None:
+        windows[:, 0] = bos
+    return Windows(windows, int(tokens.numel()), bos, tokenize_seconds)
 
 
 def tokenize(tokenizer: Any, text: str) -> list[int]:
@@ -255,20 +300,22 @@ def _bos_for_windows(model: Model, add_bos: bool | None) -> int | None:
     return int(bos)
 
 
-def _check_sizes(model: Model, ctx: int, max_chunks: int | None, batch: int) -> None:
-    if not _is_int(ctx) or ctx < 3:
+def check_window_sizes(model: Model, ctx: int, max_chunks: int | None, batch: int, where: str = "perplexity") -> None:
+    """Raise ValueError naming the bad value unless ``ctx`` (3 ..  the model's positions), ``max_chunks`` (None or
+    positive) and ``batch`` (positive) are usable ints."""
+    if not is_int(ctx) or ctx < 3:
         # ctx // 2 tokens of context, then at least one scored prediction before the window's last token
-        raise ValueError(f"perplexity: ctx must be an int >= 3 (a window scores ctx - 1 - ctx // 2 tokens), "
+        raise ValueError(f"{where}: ctx must be an int >= 3 (a window scores ctx - 1 - ctx // 2 tokens), "
                          f"got {ctx!r}")
     if ctx > model.config.max_position:
-        raise ValueError(f"perplexity: ctx {ctx} exceeds the model's {model.config.max_position} positions")
-    if max_chunks is not None and (not _is_int(max_chunks) or max_chunks < 1):
-        raise ValueError(f"perplexity: max_chunks must be a positive int or None, got {max_chunks!r}")
-    if not _is_int(batch) or batch < 1:
-        raise ValueError(f"perplexity: batch must be a positive int, got {batch!r}")
+        raise ValueError(f"{where}: ctx {ctx} exceeds the model's {model.config.max_position} positions")
+    if max_chunks is not None and (not is_int(max_chunks) or max_chunks < 1):
+        raise ValueError(f"{where}: max_chunks must be a positive int or None, got {max_chunks!r}")
+    if not is_int(batch) or batch < 1:
+        raise ValueError(f"{where}: batch must be a positive int, got {batch!r}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """An integer (Python's or NumPy's), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

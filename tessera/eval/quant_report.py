@@ -35,7 +35,7 @@ import torch
 
 from tessera.eval.decode_speed import decode_speed
 from tessera.eval.divergence import DEFAULT_MEMORY_LIMIT, Divergence, ReferenceLogits
-from tessera.eval.perplexity import _as_ids, _bos_for_windows, _check_sizes, _is_int, tokenize
+from tessera.eval.perplexity import check_window_sizes, cut_windows, is_int
 from tessera.eval.quant_formats import (DEFAULT_GROUP_SIZE, QUANTIZED_KV, REFERENCE, WEIGHT_FORMATS, RowSpec,
                                         build_model, check_group_size, dtype_name, is_gguf, load_reference,
                                         parse_formats, parse_kv_formats)
@@ -222,7 +222,7 @@ def quant_report(source: str | Path | None = None, text: str | None = None, *,
         raise TypeError("quant-report: pass exactly one of text and token_ids")
     for name, value, least in (("chunks", chunks, 1), ("decode_tokens", decode_tokens, 0),
                                ("decode_repeats", decode_repeats, 1), ("prompt_tokens", prompt_tokens, 1)):
-        if not _is_int(value) or value < least:
+        if not is_int(value) or value < least:
             raise ValueError(f"quant-report: {name} must be an int >= {least}, got {value!r}")
     if decode_tokens == 1:
         raise ValueError("quant-report: decode_tokens must be 0 (no decode measurement) or >= 2")
@@ -232,8 +232,9 @@ def quant_report(source: str | Path | None = None, text: str | None = None, *,
     started = time.perf_counter()
     reference = load_reference(source, backend, device)
     reference_build = time.perf_counter() - started
-    _check_sizes(reference, ctx, chunks, 1)
-    windows, add_bos, n_tokens = _windows(reference, text, token_ids, ctx, chunks)
+    check_window_sizes(reference, ctx, chunks, 1, where="quant-report")
+    cut = cut_windows(reference, text, token_ids, ctx=ctx, max_chunks=chunks, where="quant-report")
+    windows, add_bos, n_tokens = cut.ids, cut.bos is not None, cut.n_tokens
     prompt = windows[0, :min(prompt_tokens, ctx)].tolist()
     first = ctx // 2
     targets = windows[:, first + 1:]
@@ -287,31 +288,6 @@ def quant_report(source: str | Path | None = None, text: str | None = None, *,
     return QuantReport(rows=rows, model=str(source), ctx=ctx, n_chunks=n_chunks, n_scored=rows[0].n_scored,
                        n_tokens=n_tokens, add_bos=add_bos, group_size=group_size, decode_tokens=decode_tokens,
                        decode_repeats=decode_repeats, prompt_tokens=len(prompt), reference_bytes=reference_bytes)
-
-
-def _windows(model: Model, text: str | None, token_ids: Sequence[int] | torch.Tensor | None, ctx: int,
-             chunks: int) -> tuple[torch.Tensor, bool, int]:
-    """The text's windows as ``tessera.eval.perplexity.perplexity`` cuts them: ``(windows [n, ctx] int64, whether
-    each starts with BOS, tokens of the whole text)``."""
-    if text is not None:
-        if model.tokenizer is None:
-            raise ValueError("quant-report: the model has no tokenizer; tokenize the text elsewhere and pass "
-                             "token_ids")
-        tokens = torch.tensor(tokenize(model.tokenizer, text), dtype=torch.int64)
-    else:
-        tokens = _as_ids(token_ids)
-    if tokens.numel() < 2 * ctx:
-        raise ValueError(f"quant-report: a context of {ctx} needs at least {2 * ctx} tokens (two windows, "
-                         f"llama-perplexity's minimum); the text has {tokens.numel()}")
-    if tokens.numel() and int(tokens.max()) >= model.config.vocab_size:
-        raise ValueError(f"quant-report: token id {int(tokens.max())} is outside the model's vocabulary of "
-                         f"{model.config.vocab_size}")
-    n_chunks = min(tokens.numel() // ctx, chunks)  # the partial window at the end is never scored
-    windows = tokens[: n_chunks * ctx].view(n_chunks, ctx).clone()
-    bos = _bos_for_windows(model, None)
-    if bos is not None:
-        windows[:, 0] = bos
-    return windows, bos is not None, int(tokens.numel())
 
 
 def _plan(weight_formats: list[str], kv_rows: list[RowSpec]) -> list[tuple[str, list[RowSpec]]]:

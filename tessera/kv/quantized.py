@@ -120,6 +120,11 @@ class QuantizedPages:
         codes = self.codes.reshape(shape)
         return QuantizedPages(codes, self.scales.reshape(codes.shape[:-1]), self.fmt)
 
+    def code_bits(self) -> torch.Tensor:
+        """The codes as kernels load them: int8 as is, e4m3 as its uint8 bit patterns (a NumPy array cannot hold
+        float8, and Triton's interpreter cannot load it everywhere; the kernels widen the bits themselves)."""
+        return self.codes if self.codes.dtype == torch.int8 else self.codes.view(torch.uint8)
+
     def contiguous(self) -> QuantizedPages:
         if self.codes.is_contiguous() and self.scales.is_contiguous():
             return self

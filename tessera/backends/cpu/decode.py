@@ -25,12 +25,13 @@ from tessera.attention.tiles import (
 )
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu.decode_kernel import (
+    NO_SCALES,
+    code_unit,
     decode_attention_kernel,
     decode_attention_serial,
     merge_parts_kernel,
     merge_parts_serial,
 )
-from tessera.backends.cpu.decode_kernel_q8 import FP8_UNIT, decode_q8_kernel, decode_q8_serial
 from tessera.backends.cpu.kernel_args import DecodeSchedule
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.kv.quantized import QuantizedPages
@@ -240,7 +241,7 @@ class DecodePlan:
         """Write the planned sequences' rows of ``out`` / ``lse`` (float32, contiguous, without sinks).
 
         q : ``[total_q, Hq, D]``; k_rows, v_rows : ``[rows, Hkv, D]`` contiguous, float32 / bfloat16 / float16, or
-        both :class:`~tessera.kv.quantized.QuantizedPages` rows (read by :mod:`.decode_kernel_q8`).
+        both :class:`~tessera.kv.quantized.QuantizedPages` rows (their codes read in place).
         """
         qn = q.numpy() if q.dtype == torch.float32 else q.to(torch.float32).numpy()
         if self.direct:  # the kernel's item rows are the output rows
@@ -249,23 +250,16 @@ class DecodePlan:
             part_out = np.empty((self.num_items, self.rows_per_item, self.head_dim), dtype=np.float32)
             part_lse = np.empty((self.num_items, self.rows_per_item), dtype=np.float32)
         # The plan assigned items to workers (``_schedule``): one prange iteration per worker.
-        if isinstance(k_rows, QuantizedPages):
-            kernel = decode_q8_serial if self.serial else decode_q8_kernel
-            unit = np.float32(1.0) if k_rows.fmt == "int8" else FP8_UNIT
-            kernel(qn, _codes_view(k_rows), storage_view(k_rows.scales), _codes_view(v_rows),
-                   storage_view(v_rows.scales), unit, part_out, part_lse, tuple(self.schedule))
+        if isinstance(k_rows, QuantizedPages):  # codes and their scales, read as stored
+            k, v = k_rows.code_bits().numpy(), v_rows.code_bits().numpy()
+            ks, vs = storage_view(k_rows.scales), storage_view(v_rows.scales)
         else:
-            kernel = decode_attention_serial if self.serial else decode_attention_kernel
-            kernel(qn, storage_view(k_rows), storage_view(v_rows), part_out, part_lse, tuple(self.schedule))
+            k, v, ks, vs = storage_view(k_rows), storage_view(v_rows), NO_SCALES, NO_SCALES
+        kernel = decode_attention_serial if self.serial else decode_attention_kernel
+        kernel(qn, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(self.schedule))
         if self.direct:
             return
         sch = self.schedule
         merge = merge_parts_serial if self.serial else merge_parts_kernel
         merge(part_out, part_lse, sch.seq_item_lo, sch.seq_item_hi, sch.seq_q_start, sch.seq_q_len, out.numpy(),
               lse.numpy())
-
-
-def _codes_view(rows: QuantizedPages) -> np.ndarray:
-    """The codes as the q8 kernel reads them: int8 as is, e4m3 as its uint8 bits."""
-    codes = rows.codes if rows.codes.dtype == torch.int8 else rows.codes.view(torch.uint8)
-    return codes.numpy()

@@ -20,6 +20,14 @@ hints issued in bursts, or in the micro-kernels' own order, gained far less (mea
 Lengths are run-time values, so new lengths never recompile; a kernel is compiled once per storage dtype (float32;
 bf16 and fp16 arrive as 16-bit integer views and are widened by bit operations) and cached on disk.
 
+Quantized pages (``tessera.kv.quantized``: int8 or fp8 e4m3 codes, one float16 scale per token and kv head) run the
+same items, read as stored, so a step streams ``D + 2`` bytes per token and head instead of bf16's ``2 D``. The codes
+widen in registers as the float dtypes do (``simd._widen``); e4m3 arrives as its uint8 bits, whose widened float is
+the e4m3 value times 2^-120, and the 2^120 is folded into the scales (``unit``). Only the scales are extra work: a
+key's scale multiplies its scores once per chunk (``q . (c s) = s (q . c)``), a value's scale multiplies the
+probabilities after the softmax has summed them (``p (c s) = (p s) c``), so the per-element work stays one widening
+and one FMA. Float rows pass :data:`NO_SCALES`, an empty array, and skip both multiplies.
+
 KV addressing is paged: key ``j`` of sequence ``s`` lives in row ``row_base[s, j // block] + j % block`` of
 ``k [rows, Hkv, D]``. A contiguous sequence is one "page" as long as the sequence (``row_base[s, 0] = kv_start``).
 """
@@ -59,6 +67,16 @@ from tessera.backends.cpu.simd import (
 )
 
 CHUNK = 32
+#: the ``ks`` / ``vs`` of float rows: no scales (a 0-row int16 array, the type the float16 scale bits have)
+NO_SCALES = np.empty((0, 0), dtype=np.int16)
+#: what a widened code is multiplied by besides its scale: e4m3 bits widen to the value times 2^-120 (``simd._widen``)
+FP8_UNIT = np.float32(2.0 ** 120)
+
+
+def code_unit(k: np.ndarray) -> np.float32:
+    """``unit`` for rows of ``k``'s dtype: 2^120 for e4m3 bits (uint8), else 1."""
+    return FP8_UNIT if k.dtype == np.uint8 else np.float32(1.0)
+
 
 @njit(inline="always", fastmath=FASTMATH)
 def _dot_n(qrows, r, krow, n):  # pragma: no cover - compiled
@@ -97,15 +115,16 @@ def _axpy(acc, r, p, vrow, d):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _score(sc, qrows, k, row, hk, group, nq, c, softcap, slopes, j, kv_len):  # pragma: no cover - compiled
-    """Scores of every query row of kv head ``hk`` against key ``j`` (token row ``row``) into ``sc[:, c]``."""
+def _score(sc, qrows, k, row, hk, kscale, group, nq, c, softcap, slopes, j, kv_len):  # pragma: no cover - compiled
+    """Scores of every query row of kv head ``hk`` against key ``j`` (token row ``row``, its scale ``kscale``: 1
+    for float rows) into ``sc[:, c]``."""
     d = k.shape[2]
     krow = k[row, hk]
     for g in range(group):
         h = hk * group + g
         for i in range(nq):
             r = h * nq + i
-            acc = _dot(qrows, r, krow, d)
+            acc = _dot(qrows, r, krow, d) * kscale
             if softcap > 0.0:
                 acc = softcap * math.tanh(acc / softcap)
             if slopes.shape[0] > 0:
@@ -144,11 +163,38 @@ def _write_item(item, acc, m, l, part_out, part_lse):  # pragma: no cover - comp
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _row_scale(scales, row, hk, unit):  # pragma: no cover - compiled
+    """Token row ``row``'s scale for kv head ``hk`` (float16 bits) times ``unit``; 1 for float rows (no scales)."""
+    if scales.shape[0] == 0:
+        return np.float32(1.0)
+    return widen(scales[row, hk]) * unit
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _scale_columns(sc, scales, unit, rowi, colscale, hkv, rows_h, cn):  # pragma: no cover - compiled
+    """``sc[r, c] *= scale of key c (token row rowi[c]) for r's kv head`` (head ``hk`` owns rows ``hk * rows_h ..``).
+
+    The chunk's scales of one head are gathered into ``colscale`` first, so the multiply runs along whole
+    ``CHUNK``-wide rows (vectorized) instead of down columns; columns past ``cn`` get 0, which the softmax overwrites
+    (before it) or leaves 0 (after it)."""
+    width = sc.shape[1]
+    for hk in range(hkv):
+        for c in range(cn):
+            colscale[c] = widen(scales[rowi[c], hk]) * unit
+        for c in range(cn, width):
+            colscale[c] = 0.0
+        for r in range(hk * rows_h, (hk + 1) * rows_h):
+            for c in range(width):
+                sc[r, c] *= colscale[c]
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _decode_item(
-    item, q, k, v, part_out, part_lse, sch,
+    item, q, k, ks, v, vs, unit, part_out, part_lse, sch,
 ):  # pragma: no cover - compiled
     """One work item (``sch``: the step's :class:`~tessera.backends.cpu.kernel_args.DecodeSchedule`): its sequence's
-    queries against the item's kv segments, normalized, with its lse."""
+    queries against the item's kv segments, normalized, with its lse (``ks``/``vs``/``unit``: see
+    :func:`decode_item`)."""
     hkv = k.shape[1]
     d = k.shape[2]
     hq = q.shape[1]
@@ -173,7 +219,8 @@ def _decode_item(
                 j = j0 + c
                 rows[c] = sch.row_base[s, j // sch.block] + j % sch.block
                 for hk in range(hkv):
-                    _score(sc, qrows, k, rows[c], hk, group, nq, c, sch.softcap, sch.slopes, j, kv_len)
+                    _score(sc, qrows, k, rows[c], hk, _row_scale(ks, rows[c], hk, unit), group, nq, c, sch.softcap,
+                           sch.slopes, j, kv_len)
             if moff >= 0:
                 _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
                             cn)
@@ -181,8 +228,9 @@ def _decode_item(
             for c in range(cn):
                 for hk in range(hkv):
                     vrow = v[rows[c], hk]
+                    vscale = _row_scale(vs, rows[c], hk, unit)
                     for r in range(hk * group * nq, (hk + 1) * group * nq):
-                        _axpy(acc, r, sc[r, c], vrow, d)
+                        _axpy(acc, r, sc[r, c] * vscale, vrow, d)
     _write_item(item, acc, m, l, part_out, part_lse)
 
 
@@ -366,7 +414,7 @@ def _row_offsets(offs, at, s, j0, count, row_base, block, row_elems):  # pragma:
 
 @njit(inline="always", fastmath=FASTMATH)
 def _decode_item_blocked(
-    item, q, k, v, part_out, part_lse, sch, next_item,
+    item, q, k, ks, v, vs, unit, part_out, part_lse, sch, next_item,
 ):  # pragma: no cover - compiled
     """:func:`_decode_item` with register-blocked micro-kernels (``D % LANES == 0``; same arguments and results),
     prefetching ahead into ``next_item`` (the item its thread runs next, or -1)."""
@@ -386,6 +434,9 @@ def _decode_item_blocked(
     sc = np.empty((nrows + 3, CHUNK), dtype=np.float32)
     row_off = np.empty(CHUNK, dtype=np.int64)
     next_off = np.empty(CHUNK, dtype=np.int64)
+    scaled = ks.shape[0] > 0
+    rowi = np.empty(CHUNK if scaled else 0, dtype=np.int64)  # token rows, for the scales
+    colscale = np.empty(CHUNK if scaled else 0, dtype=np.float32)
     post = sch.softcap > 0.0 or sch.slopes.shape[0] > 0
     for seg in range(sch.item_seg_lo[item], sch.item_seg_hi[item]):
         j_begin = sch.seg_start[seg]
@@ -394,6 +445,8 @@ def _decode_item_blocked(
         for j0 in range(j_begin, j_end, CHUNK):
             cn = min(CHUNK, j_end - j0)
             _row_offsets(row_off, 0, s, j0, cn, sch.row_base, sch.block, hkv * d)
+            if scaled:
+                _row_offsets(rowi, 0, s, j0, cn, sch.row_base, sch.block, 1)
             # The keys whose K the P.V pass hints: this item's next chunk, then (at its end) the start of the
             # worker's next item, whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key
             # suffix item).
@@ -406,6 +459,8 @@ def _decode_item_blocked(
                                         sch.item_seg_hi[next_item], sch.seg_start, sch.seg_end, sch.row_base, sch.block,
                                         hkv * d)
             _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn)
+            if scaled:  # q . (c s) = s (q . c): the keys' scales once per score, before softcap and masks
+                _scale_columns(sc, ks, unit, rowi, colscale, hkv, rows_h, cn)
             if post:
                 for h in range(hq):
                     for i in range(nq):
@@ -421,6 +476,8 @@ def _decode_item_blocked(
                 _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
                             cn)
             _online_softmax_blocked(sc, m, l, acc, cn)
+            if scaled:  # p (c s) = (p s) c: the values' scales on the probabilities, after the softmax summed them
+                _scale_columns(sc, vs, unit, rowi, colscale, hkv, rows_h, cn)
             _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
     _write_item(item, acc, m, l, part_out, part_lse)
 
@@ -430,23 +487,29 @@ def _decode_item_blocked(
 # decode layer) instead of once inside each; a call per work item costs well under a microsecond.
 @njit(fastmath=FASTMATH, cache=True)
 def decode_item(
-    item, q, k, v, part_out, part_lse, sch, next_item,
+    item, q, k, ks, v, vs, unit, part_out, part_lse, sch, next_item,
 ):  # pragma: no cover - compiled
     """One work item, by the register-blocked kernel when the head dim is a multiple of the vector width;
-    ``next_item``: the item the same thread runs next (-1: none), whose first keys are prefetched."""
+    ``next_item``: the item the same thread runs next (-1: none), whose first keys are prefetched.
+
+    Float rows pass :data:`NO_SCALES` as ``ks`` and ``vs``; quantized rows (codes) pass their float16 scale bits
+    ``[rows, Hkv]`` and ``unit`` (:func:`code_unit`)."""
     if k.shape[2] % LANES == 0:
-        _decode_item_blocked(item, q, k, v, part_out, part_lse, sch, next_item)
+        _decode_item_blocked(item, q, k, ks, v, vs, unit, part_out, part_lse, sch, next_item)
     else:
-        _decode_item(item, q, k, v, part_out, part_lse, sch)
+        _decode_item(item, q, k, ks, v, vs, unit, part_out, part_lse, sch)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def decode_attention_kernel(q, k, v, part_out, part_lse, sch):  # pragma: no cover - compiled
+def decode_attention_kernel(q, k, ks, v, vs, unit, part_out, part_lse, sch):  # pragma: no cover - compiled
     """Partial attention of every work item: worker ``w`` runs items ``item_order[worker_start[w]:worker_start[w+1]]``
     (the plan balances their key counts; Numba's ``prange`` hands each thread one contiguous block of iterations,
     also under ``parallel_chunksize``, so the balance has to be decided up front).
 
-    q : f32 ``[tokens, Hq, D]``; k, v : ``[rows, Hkv, D]`` f32 / uint16 (bf16 bits) / int16 (fp16 bits).
+    q : f32 ``[tokens, Hq, D]``; k, v : ``[rows, Hkv, D]`` f32 / uint16 (bf16 bits) / int16 (fp16 bits), or
+    quantized codes: int8 / uint8 (e4m3 bits). ks, vs : the codes' float16 scale bits (int16 ``[rows, Hkv]``), or
+    :data:`NO_SCALES` for float rows; unit : f32, what a widened code is multiplied by besides its scale
+    (:func:`code_unit`).
     part_out : f32 ``[items, Hq * max_q, D]`` and part_lse : f32 ``[items, Hq * max_q]``; row ``h * q_len + i``.
     sch : :class:`~tessera.backends.cpu.kernel_args.DecodeSchedule` (or the plain tuple of its fields): the items,
     their kv segments and the schedule.
@@ -455,18 +518,18 @@ def decode_attention_kernel(q, k, v, part_out, part_lse, sch):  # pragma: no cov
     item_order, worker_start = sch.item_order, sch.worker_start
     for w in prange(worker_start.shape[0] - 1):
         for i in range(worker_start[w], worker_start[w + 1]):
-            decode_item(item_order[i], q, k, v, part_out, part_lse, sch,
+            decode_item(item_order[i], q, k, ks, v, vs, unit, part_out, part_lse, sch,
                         item_order[i + 1] if i + 1 < worker_start[w + 1] else -1)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def decode_attention_serial(q, k, v, part_out, part_lse, sch):  # pragma: no cover - compiled
+def decode_attention_serial(q, k, ks, v, vs, unit, part_out, part_lse, sch):  # pragma: no cover - compiled
     """:func:`decode_attention_kernel` on the calling thread (in item order: the schedule only matters to the pool): for small steps (a short context at batch 1), where
     waking the pool costs more than the work (measured ~60 us per call on this machine)."""
     sch = DecodeSchedule(*sch)
     n_items = sch.item_seq.shape[0]
     for item in range(n_items):
-        decode_item(item, q, k, v, part_out, part_lse, sch, item + 1 if item + 1 < n_items else -1)
+        decode_item(item, q, k, ks, v, vs, unit, part_out, part_lse, sch, item + 1 if item + 1 < n_items else -1)
 
 
 @njit(inline="always", fastmath=FASTMATH)

@@ -338,11 +338,15 @@ def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, 
     ``h * q_len + i`` for head ``h`` of the sequence's ``i``-th query, as ``decode_kernel._write_item`` writes
     them); then wait for the rest."""
     n_items = schedule.item_seq.shape[0]
+    # float pages: no scales. Allocated here rather than a global constant, whose read-only array type would compile
+    # decode_item a second time for this caller
+    no_scales = np.empty((0, 0), dtype=np.int16)
     while True:
         item = atomics.fetch_add(sync, 2 * phase, 1)
         if item >= n_items:
             break
-        decode_item(item, qf, k_rows, v_rows, part_out, part_lse, schedule, item + 1 if item + 1 < n_items else -1)
+        decode_item(item, qf, k_rows, no_scales, v_rows, no_scales, np.float32(1.0), part_out, part_lse, schedule,
+                    item + 1 if item + 1 < n_items else -1)
         atomics.fetch_add(sync, 2 * phase + 1, 1)
     _wait(sync, phase, n_items)
 

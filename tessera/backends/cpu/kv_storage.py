@@ -93,11 +93,6 @@ def _write_quantized_serial(k_codes, k_scales, v_codes, v_scales, k_new, v_new, 
         _quantize_rows(v_codes, v_scales, v_new, t, slots[t], top)
 
 
-def _codes_view(rows: QuantizedPages):
-    codes = rows.codes if rows.codes.dtype == torch.int8 else rows.codes.view(torch.uint8)
-    return codes.numpy()
-
-
 class CpuKVStorage(KVStorage):
     """Host pools; :meth:`write_slots` copies whole token rows ``[Hkv, D]`` in Numba, without torch's per-call
     dispatch (a decode step writes every layer's one row per sequence)."""
@@ -116,7 +111,8 @@ class CpuKVStorage(KVStorage):
         its slot (:func:`tessera.kv.quantized.quantize_kv`'s results, bit for bit)."""
         small = 2 * k_new.numel() * k_new.element_size() < SERIAL_WRITE_BYTES
         (_write_quantized_serial if small else _write_quantized_kernel)(
-            _codes_view(k_rows), storage_view(k_rows.scales), _codes_view(v_rows), storage_view(v_rows.scales),
+            k_rows.code_bits().numpy(), storage_view(k_rows.scales),
+            v_rows.code_bits().numpy(), storage_view(v_rows.scales),
             storage_view(k_new.contiguous()), storage_view(v_new.contiguous()), slots.numpy(),
             np.float32(KV_FORMATS[k_rows.fmt][1]),
         )

@@ -7,6 +7,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core.extending import intrinsic, overload
 
+from tessera.backends.cpu.simd import widen_code
+
 # fastmath without "nnan"/"ninf": the kernels rely on -inf for masked scores and empty rows.
 FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}
 
@@ -43,6 +45,8 @@ def _widen_overload(x):
         return lambda x: _bits_to_f32(np.uint32(x) << np.uint32(16))
     if x == types.int16:  # float16 bits
         return lambda x: _half_bits_to_f32(x)
+    if x in (types.int8, types.uint8):  # quantized KV codes: int8, or e4m3 bits (times 2^-120; see simd._widen)
+        return lambda x: widen_code(x)
     if isinstance(x, types.Float):
         return lambda x: np.float32(x)
     return None

@@ -64,7 +64,7 @@ class _F32VectorModel(models.PrimitiveModel):
 
 
 #: float32, bf16 bits, fp16 bits; and the quantized KV codes (``tessera.kv.quantized``): int8, and e4m3 bits as
-#: uint8, whose widened value is the e4m3 value times 2^-120 (``decode_kernel_q8`` folds 2^120 into the row scales)
+#: uint8, whose widened value is the e4m3 value times 2^-120 (``decode_kernel`` folds 2^120 into the row scales)
 _STORAGE = (types.float32, types.uint16, types.int16, types.int8, types.uint8)
 
 
@@ -82,23 +82,41 @@ def _element_pointer(context, builder, arr_type, arr, index, index_type):
     return builder.gep(ary.data, [idx])
 
 
-def _widen(builder, raw, dtype):
+def _widen(builder, raw, dtype, lanes: int | None = LANES):
+    """``raw`` (a vector of ``lanes`` storage elements, or one scalar when ``lanes`` is None) as float32: the one
+    definition of each storage dtype's widening, shared by the vector loads and the scalar paths."""
+    def of(t):
+        return t if lanes is None else ir.VectorType(t, lanes)
+
+    def const(t, value):
+        return ir.Constant(of(t), value if lanes is None else [value] * lanes)
+
+    i32, f32 = ir.IntType(32), of(_F32)
     if dtype == types.float32:
         return raw
     if dtype == types.int8:
-        return builder.sitofp(raw, _VEC)
+        return builder.sitofp(raw, f32)
     if dtype == types.uint8:  # e4m3 bits: exponent and mantissa to float32 bit 20, the sign to bit 31
-        i32 = ir.VectorType(ir.IntType(32), LANES)
-        wide = builder.zext(raw, i32)
-        body = builder.shl(builder.and_(wide, ir.Constant(i32, [0x7F] * LANES)), ir.Constant(i32, [20] * LANES))
-        sign = builder.shl(builder.and_(wide, ir.Constant(i32, [0x80] * LANES)), ir.Constant(i32, [24] * LANES))
-        return builder.bitcast(builder.or_(body, sign), _VEC)
+        wide = builder.zext(raw, of(i32))
+        body = builder.shl(builder.and_(wide, const(i32, 0x7F)), const(i32, 20))
+        sign = builder.shl(builder.and_(wide, const(i32, 0x80)), const(i32, 24))
+        return builder.bitcast(builder.or_(body, sign), f32)
     if dtype == types.uint16:  # bf16 bits are the high half of a float32
-        wide = builder.zext(raw, ir.VectorType(ir.IntType(32), LANES))
-        shifted = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
-        return builder.bitcast(shifted, _VEC)
-    half = builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES))
-    return builder.fpext(half, _VEC)
+        return builder.bitcast(builder.shl(builder.zext(raw, of(i32)), const(i32, 16)), f32)
+    return builder.fpext(builder.bitcast(raw, of(ir.HalfType())), f32)
+
+
+@intrinsic
+def widen_code(typingctx, x):
+    """One quantized KV code as float32, exactly as :func:`vload` widens it: an int8 code as its value, e4m3 bits
+    (uint8) as the e4m3 value times 2^-120 (see ``_STORAGE``)."""
+    if x not in (types.int8, types.uint8):
+        raise TypingError(f"widen_code: expected an int8 code or e4m3 bits (uint8), got {x}")
+
+    def codegen(context, builder, signature, args):
+        return _widen(builder, args[0], signature.args[0], lanes=None)
+
+    return types.float32(x), codegen
 
 
 @intrinsic
@@ -335,22 +353,6 @@ def prefetch(typingctx, arr, index):
     return sig, codegen
 
 
-def _widen_scalar(builder, raw, dtype):
-    if dtype == types.float32:
-        return raw
-    if dtype == types.uint16:
-        return builder.bitcast(builder.shl(builder.zext(raw, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), _F32)
-    if dtype == types.int8:
-        return builder.sitofp(raw, _F32)
-    if dtype == types.uint8:  # e4m3 bits, as _widen
-        i32 = ir.IntType(32)
-        wide = builder.zext(raw, i32)
-        body = builder.shl(builder.and_(wide, ir.Constant(i32, 0x7F)), ir.Constant(i32, 20))
-        sign = builder.shl(builder.and_(wide, ir.Constant(i32, 0x80)), ir.Constant(i32, 24))
-        return builder.bitcast(builder.or_(body, sign), _F32)
-    return builder.fpext(builder.bitcast(raw, ir.HalfType()), _F32)
-
-
 @intrinsic
 def vbroadcast(typingctx, arr, index):
     """Element ``index`` (flat offset) of a C-contiguous array, widened to float32, in every lane: one broadcast load,
@@ -363,7 +365,7 @@ def vbroadcast(typingctx, arr, index):
     def codegen(context, builder, signature, args):
         ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
         dtype = signature.args[0].dtype
-        scalar = _widen_scalar(builder, builder.load(ptr, align=dtype.bitwidth // 8), dtype)
+        scalar = _widen(builder, builder.load(ptr, align=dtype.bitwidth // 8), dtype, lanes=None)
         one = builder.insert_element(ir.Constant(_VEC, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
         return builder.shuffle_vector(one, one, _mask([0] * LANES))
 

@@ -16,12 +16,6 @@ from tessera.kv.quantized import QuantizedPages
 _KV_QUANT = {"int8": 1, "fp8_e4m3": 2}
 
 
-def _codes(rows: QuantizedPages) -> torch.Tensor:
-    """Codes as the kernel loads them: int8 as is, e4m3 as uint8 bytes (widened by bit operations in the kernel,
-    which also runs under the interpreter, where float8 loads are not supported everywhere)."""
-    return rows.codes if rows.codes.dtype == torch.int8 else rows.codes.view(torch.uint8)
-
-
 def build_plan(spec: AttentionSpec, batch: RaggedBatch, layout: KVLayout) -> TritonPlan:
     """Translate the spec and plan the work items (host only; uploads happen on the first run per device)."""
     variant = codegen.generate(spec)
@@ -61,7 +55,7 @@ def run_plan(plan: TritonPlan, q: torch.Tensor, k_rows, v_rows, out: torch.Tenso
     if isinstance(k_rows, QuantizedPages):
         quant = _KV_QUANT[k_rows.fmt]
         ks, vs = k_rows.scales, v_rows.scales
-        k_rows, v_rows = _codes(k_rows), _codes(v_rows)
+        k_rows, v_rows = k_rows.code_bits(), v_rows.code_bits()
     else:
         quant, ks = 0, torch.zeros(1, 1, dtype=torch.float16, device=q.device)
         vs = ks

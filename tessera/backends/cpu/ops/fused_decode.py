@@ -184,7 +184,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     if t_count == 0 or t_count > SMALL_M or min(step.q_lens) < 1 or not ropes:
         return None
     # The fused layer reads float pages; a quantized cache's steps run per-op, where the attention plan reads the
-    # codes (decode_kernel_q8).
+    # codes (decode_kernel).
     if getattr(cache, "kv_cache_dtype", None) is not None:
         return None
     prepared = _layer_views(model)
