@@ -89,3 +89,17 @@ def test_building_the_parser_imports_no_torch():
     code = "import sys, tessera.cli as c; c._build_parser(); print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"building the CLI parser imported {out}"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "warmup", "perplexity"])
+def test_kv_cache_dtype_flag(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command that builds an engine takes ``--kv-cache-dtype`` (warmup too: a quantized cache's kernels are
+    their own), and a format that does not exist is refused with the choices."""
+    from tessera.cli import _build_parser
+
+    parser = _build_parser()
+    assert parser.parse_args([command, "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    assert parser.parse_args([command]).kv_cache_dtype is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--kv-cache-dtype", "int4"])
+    assert "fp8_e4m3" in capsys.readouterr().err

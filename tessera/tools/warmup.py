@@ -19,7 +19,7 @@ import time
 from typing import Any, TextIO
 
 from tessera.tools.placement_flags import add_placement_flags
-from tessera.tools.weight_flags import add_weight_flags, keep_quantized
+from tessera.tools.weight_flags import add_kv_cache_flag, add_weight_flags, keep_quantized
 
 #: the progress line shown when the first kernel compiles
 COMPILING = "compiling kernels for this CPU, first run only (they are cached for later runs)..."
@@ -80,6 +80,7 @@ def add_parser(commands) -> None:
                         "warm-up is running")
     add_placement_flags(p)
     add_weight_flags(p)
+    add_kv_cache_flag(p)  # a quantized cache's kernels (its slot writer, the decode items over codes) are their own
     p.set_defaults(run=_run)
 
 
@@ -91,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, backend=args.backend, max_num_seqs=1, keep_quantized=keep_quantized(args),
-              device=args.device)
+              device=args.device, kv_cache_dtype=args.kv_cache_dtype)
     backend = first_run.effective_backend(args.backend, llm.model.device)
     if args.background:
         lock = first_run.hold_lock(backend)  # held until this process ends

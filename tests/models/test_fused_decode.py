@@ -230,6 +230,42 @@ def test_fused_verification_splits_long_contexts_over_items(dtype, tmp_path, fus
     assert fused_calls == [True] * 6
 
 
+# One case: each combination of codes dtype, model dtype and worker count compiles the whole fused layer again
+# (minutes cold on two cores, more than the suite's budget allows). What the others add is shared code checked
+# elsewhere: the slot quantizer (store_row's _quantize_rows) bit for bit for every format and dtype in
+# tests/kv/test_cache_quantized.py, decode_item over e4m3 bits in tests/attention/test_paged_quantized.py, and the
+# parallel layer kernel over float pages above.
+@pytest.mark.parametrize(("name", "dtype", "fmt", "n_workers"), [("llama", "float32", "int8", 1)])
+def test_fused_decode_over_a_quantized_cache_equals_per_op_path(name, dtype, fmt, n_workers, tmp_path, fused_calls,
+                                                                 monkeypatch):
+    """Over int8 / e4m3 pages the fused layer quantizes the new K/V into their slots and its attention items read the
+    codes: the same codes and scales as the per-op path's slot writer, and the same logits. Decode steps of three
+    sequences and a verification step, shuffled page tables with partial last pages."""
+    monkeypatch.setattr(fused_decode, "_workers", lambda work: n_workers)
+    model = _model(name, tmp_path, dtype)
+    gen = torch.Generator().manual_seed(13)
+    seqs = {s: torch.randint(0, 211, (n,), generator=gen).tolist() for s, n in enumerate((11, 3, 7))}
+    tables = {0: [9, 2, 12, 5, 0], 1: [3, 14, 7], 2: [1, 11, 6, 13]}
+    caches = [new_cache(model, num_pages=16, page_size=PAGE, kv_cache_dtype=fmt) for _ in range(2)]
+    for cache in caches:
+        forward_step(model, cache, _step(seqs, {s: len(t) for s, t in seqs.items()}, tables), fused=False)
+    for new in ({0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {0: 3, 1: 1, 2: 2}):
+        grown = _extend(seqs, new, salt=3)
+        step = _step(grown, new, tables)
+        fused = forward_step(model, caches[0], step, all_logits=True)
+        per_op = forward_step(model, caches[1], step, all_logits=True, fused=False)
+        torch.testing.assert_close(fused, per_op, **TOL[model.dtype])
+        for layer in range(model.config.num_layers):
+            for a, b in ((caches[0].k_pages[layer], caches[1].k_pages[layer]),
+                         (caches[0].v_pages[layer], caches[1].v_pages[layer])):
+                # the K/V rows themselves agree to float rounding (TOL): a code may sit one step away at a tie
+                steps = (a.code_bits().to(torch.int16) - b.code_bits().to(torch.int16)).abs()
+                assert int(steps.max()) <= 1, f"layer {layer}: codes {int(steps.max())} steps apart"
+                torch.testing.assert_close(a.scales.float(), b.scales.float(), rtol=1e-3, atol=0)
+        seqs = grown
+    assert fused_calls == [True] * 3
+
+
 @pytest.mark.parametrize("name", ["gpt2", "mixtral"])
 def test_unsupported_families_name_the_reason(name, tmp_path):
     kwargs = {"gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=211, n_embd=64, n_layer=1, n_head=4)),

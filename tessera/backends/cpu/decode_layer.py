@@ -35,7 +35,8 @@ from numba.core.errors import TypingError
 from numba.core.extending import overload
 
 from tessera.backends.cpu import atomics
-from tessera.backends.cpu.decode_kernel import _merge_sequence, decode_item
+from tessera.backends.cpu.decode_kernel import NO_SCALES, _merge_sequence, decode_item
+from tessera.backends.cpu.kv_storage import store_row
 from tessera.backends.cpu.kernel_args import (
     DecodeSchedule,
     FlatLayerWeights,
@@ -296,16 +297,19 @@ def _norm_rows(x, w, w_offset, eps):  # pragma: no cover - compiled
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots,
-                      qf):  # pragma: no cover - compiled
-    """qkv ``[T, (Hq + 2 Hkv) D]`` split into q, k, v; q/k norm; RoPE; k and v written to the cache rows ``slots``;
-    the queries widened into ``qf`` float32 ``[T, Hq, D]`` for the decode items."""
+def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, kv_quant,
+                      slots, qf):  # pragma: no cover - compiled
+    """qkv ``[T, (Hq + 2 Hkv) D]`` split into q, k, v; q/k norm; RoPE; k and v written to the cache rows ``slots``
+    (quantized there for a cache of codes: ``kv_quant``, see :func:`decoder_layer_kernel`); the queries widened into
+    ``qf`` float32 ``[T, Hq, D]`` for the decode items."""
     t_count = qkv.shape[0]
     hq = qf.shape[1]
     hkv = k_rows.shape[1]
     d = k_rows.shape[2]
+    k_scales, v_scales, top = kv_quant[0], kv_quant[1], kv_quant[2]
     q = np.empty((t_count, hq, d), dtype=qkv.dtype)
     k = np.empty((t_count, hkv, d), dtype=qkv.dtype)
+    v = np.empty((t_count, hkv, d), dtype=qkv.dtype)
     for t in range(t_count):
         for a in range(hq):
             for e in range(d):
@@ -313,7 +317,8 @@ def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, si
         for a in range(hkv):
             for e in range(d):
                 k[t, a, e] = qkv[t, (hq + a) * d + e]
-                v_rows[slots[t], a, e] = qkv[t, (hq + hkv + a) * d + e]
+                v[t, a, e] = qkv[t, (hq + hkv + a) * d + e]
+        store_row(v_rows, v_scales, v, t, slots[t], top)
     if q_norm_w.shape[0] > 0:
         q = _norm_rows(q.reshape(t_count * hq, d), q_norm_w, w_offset, eps).reshape(t_count, hq, d)
         k = _norm_rows(k.reshape(t_count * hkv, d), k_norm_w, w_offset, eps).reshape(t_count, hkv, d)
@@ -322,9 +327,7 @@ def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, si
     for r in range(t_count * hkv):
         _rotate_item(k, positions, cos, sin, r, False)
     for t in range(t_count):
-        for a in range(hkv):
-            for e in range(d):
-                k_rows[slots[t], a, e] = k[t, a, e]
+        store_row(k_rows, k_scales, k, t, slots[t], top)
     for t in range(t_count):
         for a in range(hq):
             for e in range(d):
@@ -332,20 +335,19 @@ def _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, si
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _attention_items_phase(sync, phase, qf, k_rows, v_rows, part_out, part_lse, schedule):  # pragma: no cover
+def _attention_items_phase(sync, phase, qf, k_rows, v_rows, kv_quant, part_out, part_lse,
+                           schedule):  # pragma: no cover - compiled
     """Claim the plan's work items (a whole sequence, or one part of a long one split over the workers) until none
     is left, each into its own rows of ``part_out [items, Hq * max_q, D]`` / ``part_lse [items, Hq * max_q]`` (row
     ``h * q_len + i`` for head ``h`` of the sequence's ``i``-th query, as ``decode_kernel._write_item`` writes
     them); then wait for the rest."""
     n_items = schedule.item_seq.shape[0]
-    # float pages: no scales. Allocated here rather than a global constant, whose read-only array type would compile
-    # decode_item a second time for this caller
-    no_scales = np.empty((0, 0), dtype=np.int16)
+    k_scales, v_scales, unit = kv_quant[0], kv_quant[1], kv_quant[3]
     while True:
         item = atomics.fetch_add(sync, 2 * phase, 1)
         if item >= n_items:
             break
-        decode_item(item, qf, k_rows, no_scales, v_rows, no_scales, np.float32(1.0), part_out, part_lse, schedule,
+        decode_item(item, qf, k_rows, k_scales, v_rows, v_scales, unit, part_out, part_lse, schedule,
                     item + 1 if item + 1 < n_items else -1)
         atomics.fetch_add(sync, 2 * phase + 1, 1)
     _wait(sync, phase, n_items)
@@ -388,8 +390,8 @@ def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, schedule, a
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
-                  claim_rows):  # pragma: no cover - compiled
+def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
+                  bufs, claim_rows):  # pragma: no cover - compiled
     """One worker's share of the layer (see the module docstring); every worker runs this with the same arguments.
     ``bufs``: :class:`LayerBuffers`; ``claim_rows``: GEMV output rows per claim (a single worker claims each GEMV
     whole)."""
@@ -415,10 +417,11 @@ def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
     # --- split, q/k norm, RoPE, cache write; attention over the paged cache, item by item over the workers; each
     # sequence's parts merged, rounded and prepared as o's input
     if _claim_serial(sync, 2):
-        _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, slots, qf)
+        _attention_inputs(qkv, q_norm_w, k_norm_w, w_offset, eps, positions, cos, sin, k_rows, v_rows, kv_quant,
+                          slots, qf)
         _finish_serial(sync, 2)
     _wait(sync, 2, 1)
-    _attention_items_phase(sync, 3, qf, k_rows, v_rows, part_out, part_lse, schedule)
+    _attention_items_phase(sync, 3, qf, k_rows, v_rows, kv_quant, part_out, part_lse, schedule)
     _attention_rows_phase(sync, 4, part_out, part_lse, att, lse, schedule, att_s, o_w, isa, o_in)
     _rows_phase(sync, 5, o_in, o_w, o_b, o_acc, a_out, isa, claim_rows)
     # --- post-attention norm, residual + MLP norm, gate/up projection
@@ -515,12 +518,12 @@ def _unflat_weights(f):  # pragma: no cover - compiled
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
-                claim_rows):  # pragma: no cover - compiled
+def _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
+                bufs, claim_rows):  # pragma: no cover - compiled
     """:func:`_layer_worker` with the weights as :class:`FlatLayerWeights`, for the parallel region; it rebuilds the
     :class:`LayerWeights` with the types the serial kernel passes, so both share one compiled ``_layer_worker``."""
-    _layer_worker(x, h, _unflat_weights(flat), norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule,
-                  isa, bufs, claim_rows)
+    _layer_worker(x, h, _unflat_weights(flat), norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots,
+                  schedule, isa, bufs, claim_rows)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -575,7 +578,7 @@ def _records(weights, norms, config, schedule):  # pragma: no cover - compiled
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule,
+def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule,
                   isa):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` on the calling thread (each GEMV claimed whole)."""
     weights, norms, config, schedule = _records(weights, norms, config, schedule)
@@ -584,12 +587,12 @@ def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
     # Straight to _layer_worker (one compiled level fewer than through _layer_flat: each level re-optimizes the code
     # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
     # _layer_worker a second time for the parallel kernel's call (~30 s).
-    _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
-                  np.int64(1 << 30))
+    _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
+                  bufs, np.int64(1 << 30))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa,
+def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
                     n_workers):  # pragma: no cover - compiled
     """:func:`decoder_layer_kernel` as ``n_workers`` workers in one parallel region."""
     # Built by calls to the record classes here, not through _records: a named tuple entering a parallel region must
@@ -603,14 +606,18 @@ def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v
     flat = _flat_weights(weights)
     claim_rows = np.int64(CLAIM_ROWS)  # see _serial_layer
     for _ in prange(n_workers):
-        _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, slots, schedule, isa, bufs,
-                    claim_rows)
+        _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
+                    bufs, claim_rows)
+
+
+#: ``kv_quant`` of a cache in the model's dtype: no scales, and top / unit unused
+FLOAT_PAGES = (NO_SCALES, NO_SCALES, np.float32(0.0), np.float32(1.0))
 
 
 def decoder_layer_kernel(
     x: np.ndarray, h: np.ndarray, weights: LayerWeights, norms: LayerNorms, config: LayerConfig,
     positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
-    slots: np.ndarray, schedule: DecodeSchedule, isa: object, n_workers: int,
+    kv_quant: tuple, slots: np.ndarray, schedule: DecodeSchedule, isa: object, n_workers: int,
 ) -> None:
     """Run one layer for ``T`` new tokens (one or more per sequence) and update ``x`` and ``h`` in place.
 
@@ -622,7 +629,11 @@ def decoder_layer_kernel(
     norms : its norm weights (:class:`~tessera.backends.cpu.kernel_args.LayerNorms`).
     config : its scalars (:class:`~tessera.backends.cpu.kernel_args.LayerConfig`, built by ``LayerConfig.of``).
     positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
-    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``.
+    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``: the model's dtype, or the codes of a
+        quantized cache (int8, or e4m3 as uint8 bits).
+    kv_quant : ``(k_scales, v_scales, top, unit)``: for codes, their float16 scale bits (int16 ``[rows, Hkv]``), the
+        format's largest code (float32; the new rows are quantized as ``tessera.kv.quantized.quantize_kv`` does, bit
+        for bit) and ``decode_kernel.code_unit``; for float pages :data:`FLOAT_PAGES`.
     slots : int64 ``[T]``, where the new K/V go.
     schedule : :attr:`tessera.backends.cpu.decode.DecodePlan.schedule` of a plan over every sequence of the step,
         whose queries are consecutive token rows in sequence order (``seq_q_start`` the running sum of
@@ -637,8 +648,8 @@ def decoder_layer_kernel(
     """
     records = tuple(weights), tuple(norms), tuple(config), tuple(schedule)  # see _records
     if n_workers <= 1:
-        _serial_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, slots,
-                      records[3], isa)
+        _serial_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, kv_quant,
+                      slots, records[3], isa)
     else:
-        _parallel_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, slots,
-                        records[3], isa, n_workers)
+        _parallel_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, kv_quant,
+                        slots, records[3], isa, n_workers)

@@ -77,6 +77,28 @@ def _quantize_rows(codes, scales, new, t, row, top):  # pragma: no cover - compi
             codes[row, h, x] = _encode(y, codes)
 
 
+def store_row(rows, scales, new, t, row, top):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+# Not inlined at Numba's IR level: _quantize_rows inlined twice over that way trips Numba's IR scope check
+# (NumbaIRAssumptionWarning); as a call of its own LLVM still inlines it.
+@overload(store_row)
+def _store_row_overload(rows, scales, new, t, row, top):
+    """Token ``t`` of ``new [T, Hkv, D]`` into slot ``row`` of ``rows [rows, Hkv, D]``, as the pool stores it: copied
+    when ``rows`` holds the model's dtype (``new`` in the same storage dtype; ``scales`` and ``top`` unused),
+    quantized into codes and ``scales`` when it holds int8 / e4m3 codes. Chosen by the pool's type, so a kernel
+    written once (the fused decode layer) compiles for either cache."""
+    if rows.dtype in (types.int8, types.uint8):
+        return lambda rows, scales, new, t, row, top: _quantize_rows(rows, scales, new, t, row, top)
+
+    def copy(rows, scales, new, t, row, top):
+        for h in range(new.shape[1]):
+            for x in range(new.shape[2]):
+                rows[row, h, x] = new[t, h, x]
+    return copy
+
+
 @njit(parallel=True, cache=True)
 def _write_quantized_kernel(k_codes, k_scales, v_codes, v_scales, k_new, v_new, slots, top):  # pragma: no cover
     """Quantize and store every new token's K and V rows (``top``: the format's largest code)."""

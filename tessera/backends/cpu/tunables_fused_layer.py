@@ -24,7 +24,7 @@ from tessera.attention.masks import causal
 from tessera.attention.spec import AttentionSpec
 from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import decode
-from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
+from tessera.backends.cpu.decode_layer import FLOAT_PAGES, PARALLEL_WORK, decoder_layer_kernel
 from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeights
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.bench.harness import copies_for, rotating
@@ -75,7 +75,7 @@ def _inputs(work: int) -> tuple[Callable[[], tuple], tuple[Any, ...], tuple[Any,
     norms = LayerNorms(q_norm_w=empty, k_norm_w=empty, post_attn_w=empty, mlp_norm_w=ones, post_mlp_w=empty,
                        next_norm_w=ones)
     tail = (norms, LayerConfig.of(0.0, 1e-5, 0, hq), np.array([KEYS - 1]), np.cos(angles), np.sin(angles), k_rows,
-            v_rows, np.array([KEYS - 1]), plan.schedule)
+            v_rows, FLOAT_PAGES, np.array([KEYS - 1]), plan.schedule)
     return rotating(layers), head, tail
 
 

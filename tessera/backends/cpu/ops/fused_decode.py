@@ -25,12 +25,14 @@ import torch
 from tessera import kernels as K
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.backend import CpuPlan
-from tessera.backends.cpu.decode_layer import PARALLEL_WORK, decoder_layer_kernel
+from tessera.backends.cpu.decode_kernel import code_unit
+from tessera.backends.cpu.decode_layer import FLOAT_PAGES, PARALLEL_WORK, decoder_layer_kernel
 from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeights
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.ops.quant import SMALL_M
 from tessera.kernels.quant import QuantizedWeight, StackedWeight
+from tessera.kv.quantized import KV_FORMATS
 from tessera.models.config import ModelConfig
 from tessera.models.layers import norm
 from tessera.tuning import tuned
@@ -145,15 +147,26 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
     return views
 
 
-def _kv_rows(cache, config: ModelConfig) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per layer, the cache's K and V pages as the kernel's storage rows ``[rows, Hkv, D]``: built once per cache
-    instead of two tensor views per layer and step, and rebuilt if its page tensors were replaced."""
+def _kv_rows(cache, config: ModelConfig) -> list[tuple[np.ndarray, np.ndarray, tuple]]:
+    """Per layer, the cache's K and V pages as the kernel's storage rows ``[rows, Hkv, D]`` and its ``kv_quant``
+    (``decoder_layer_kernel``): built once per cache instead of two tensor views per layer and step, and rebuilt if
+    its page tensors were replaced."""
     cached = _KV_ROWS.get(id(cache))
     if cached is not None and all(a is b for a, b in zip(cached[0], cache.k_pages)) and \
             all(a is b for a, b in zip(cached[1], cache.v_pages)):
         return cached[2]
     rows = (-1, config.num_kv_heads, config.head_dim)
-    views = [(storage_view(k.view(rows)), storage_view(v.view(rows))) for k, v in zip(cache.k_pages, cache.v_pages)]
+    if getattr(cache, "kv_cache_dtype", None) is None:
+        views = [(storage_view(k.view(rows)), storage_view(v.view(rows)), FLOAT_PAGES)
+                 for k, v in zip(cache.k_pages, cache.v_pages)]
+    else:  # codes and their scales, read and written in place
+        top = np.float32(KV_FORMATS[cache.kv_cache_dtype][1])
+        views = []
+        for k, v in zip(cache.k_pages, cache.v_pages):
+            k, v = k.reshape(rows), v.reshape(rows)
+            codes = k.code_bits().numpy()
+            views.append((codes, v.code_bits().numpy(),
+                          (storage_view(k.scales), storage_view(v.scales), top, code_unit(codes))))
     _remember(_KV_ROWS, cache, (list(cache.k_pages), list(cache.v_pages), views))
     return views
 
@@ -182,10 +195,6 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     # Up to SMALL_M rows of x the per-op path runs the same GEMV rows as the kernel (above, BLAS: faster there, and
     # rounded differently). A sequence without new tokens is left out of the attention plan; such steps stay per-op.
     if t_count == 0 or t_count > SMALL_M or min(step.q_lens) < 1 or not ropes:
-        return None
-    # The fused layer reads float pages; a quantized cache's steps run per-op, where the attention plan reads the
-    # codes (decode_kernel).
-    if getattr(cache, "kv_cache_dtype", None) is not None:
         return None
     prepared = _layer_views(model)
     if prepared is None:
@@ -226,8 +235,8 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     for i in range(config.num_layers):
         weights, norms = views[i]
         cos, sin = tables[config.layer_rope[i]]
-        k_rows, v_rows = kv_rows[i]
-        decoder_layer_kernel(xs, hs, weights, norms, layer_config, pos, cos, sin, k_rows, v_rows, slots,
+        k_rows, v_rows, kv_quant = kv_rows[i]
+        decoder_layer_kernel(xs, hs, weights, norms, layer_config, pos, cos, sin, k_rows, v_rows, kv_quant, slots,
                              states[config.layer_windows[i]], isa, n_workers)
     return h
 
