@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessera.kernels.sampling import SamplerParams
 
@@ -14,7 +15,9 @@ NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 #: fields that must be ints (not bools, not floats); max_tokens, n and top_logprobs check type and range together
 INT_FIELDS = ("top_k",)
 #: fields that must be bools
-BOOL_FIELDS = ("ignore_eos", "logprobs", "speculative")
+BOOL_FIELDS = ("ignore_eos", "logprobs", "speculative", "json_object")
+#: the structured-output fields; at most one may be set
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "json_object")
 
 
 def _check_types(params: SamplingParams) -> None:
@@ -63,7 +66,21 @@ class SamplingParams(SamplerParams):
         its own generator seeded ``seed + i`` (so it equals a request with that seed and ``n = 1``).
     speculative : let the engine's speculative decoding draft tokens for this request (when the engine has a
         proposer, ``LLM(speculative=...)``); False opts this request out. Greedy outputs are the same either way;
-        sampled outputs are distributed the same (docs/speculative.md).
+        sampled outputs are distributed the same (docs/speculative.md). Constrained requests (below) are not drafted.
+    json_schema : structured output: the text is JSON valid under this JSON schema (a dict, or its JSON text), written
+        compactly (no whitespace between tokens). Supports objects (properties, required, additionalProperties),
+        arrays (items, prefixItems, min/maxItems), strings (enum, const, pattern, formats, min/maxLength), numbers
+        and integers (minimum, maximum, exclusive bounds), anyOf / oneOf / allOf, ``$ref`` / ``$defs``.
+    regex : structured output: the whole text matches this regular expression (Rust regex syntax, anchored at both
+        ends).
+    grammar : structured output: the text is a sentence of this context-free grammar, in Lark syntax (llguidance's
+        dialect: ``start: ...``; ``%json {...}`` embeds a JSON schema) or llama.cpp's GBNF (``root ::= ...``).
+    json_object : structured output: the text is a JSON object (any keys and values).
+
+    At most one of the four may be set. Each is checked when the params are made (a ValueError names the field and
+    the problem). A constrained request finishes with "stop" as soon as its text is complete (no EOS needed), with
+    "length" at ``max_tokens`` (the text is then an unfinished prefix), and with "grammar" in the rare case that
+    the grammar allows no token at all (the parser's limits; no text outside the grammar is ever emitted).
 
     Examples
     --------
@@ -78,6 +95,12 @@ class SamplingParams(SamplerParams):
     top_logprobs: int = 0
     n: int = 1
     speculative: bool = True
+    json_schema: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    #: the llguidance grammar text the constraint compiles to (None when unconstrained); set by validation
+    grammar_source: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -98,6 +121,34 @@ class SamplingParams(SamplerParams):
             raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        self.grammar_source = _constraint_grammar(self)
+        if self.grammar_source is not None:
+            self.speculative = False  # drafts are not checked against the grammar
+
+
+def _constraint_grammar(params: SamplingParams) -> str | None:
+    """The llguidance grammar of ``params``' structured-output field, or None when it has none.
+
+    Raises
+    ------
+    ValueError
+        More than one constraint is set, or the one set is invalid (the message names it and says why).
+    """
+    given = [name for name in CONSTRAINT_FIELDS if getattr(params, name) not in (None, False)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"SamplingParams: {', '.join(given)} are set; structured output takes one constraint, "
+                         "so keep one of them")
+    (name,) = given
+    value = getattr(params, name)
+    if name in ("regex", "grammar") and (not isinstance(value, str) or not value.strip()):
+        raise TypeError(f"SamplingParams.{name} must be a non-empty string, got {type(value).__name__} {value!r}")
+    from tessera.engine.structured.compiler import grammar_text, schema_text
+
+    if name == "json_schema":
+        return grammar_text(name, schema_text(value))
+    return grammar_text(name, "" if name == "json_object" else value)
 
 
 @dataclass(slots=True)
@@ -122,7 +173,8 @@ class RequestOutput:
     prompt_tokens : the prompt's token ids.
     token_ids : generated token ids only (a stop token id is included, a stop string's tokens too).
     text : detokenized generated text, stop string trimmed ("" when the model has no tokenizer).
-    finish_reason : "stop" (EOS, stop token or stop string), "length" (max_tokens or context full), "abort"
+    finish_reason : "stop" (EOS, stop token, stop string, or a structured output's text complete), "length"
+        (max_tokens or context full), "grammar" (a structured output's grammar allowed no token), "abort"
         (:meth:`LLM.abort`), or None while running.
     logprobs : each generated token's log-probability under the model's distribution (if asked; see
         :class:`SamplingParams`).

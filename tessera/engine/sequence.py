@@ -8,6 +8,7 @@ from typing import Any
 
 from tessera.engine.detokenizer import Detokenizer, find_stop
 from tessera.engine.params import CompletionOutput, RequestOutput, SamplingParams
+from tessera.engine.structured.decoding import DEAD_END
 
 
 class Status(enum.Enum):
@@ -61,6 +62,9 @@ class Sequence:
         self.text = ""
         self.generator = generator
         self.draft: Any = None  # speculative decoding: the Draft proposed for this step's decode, if any
+        # structured output: the grammar state (engine/structured/decoding.GrammarState), made by the runner at the
+        # first sampled token and moved past each token before append_token sees it
+        self.constraint: Any = None
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         # the longest stop string minus one: how much of the text's end could still grow into a stop string
         self._stop_hold = max((len(s) for s in params.stop), default=1) - 1
@@ -110,14 +114,17 @@ class Sequence:
             self.logprobs.append(logprob)
         if self.params.top_logprobs:
             self.top_logprobs.append(top or [])
-        if token_id in self._stop_ids:
-            self._finish("stop", now)
+        grammar = self.constraint
+        if token_id in self._stop_ids or (grammar is not None and (grammar.dead_end or token_id in grammar.eos_ids)):
+            self._finish(DEAD_END if grammar is not None and grammar.dead_end else "stop", now)
             return
         delta = self._detok.step(token_id)
         self.text += delta
         at = find_stop(self.text, self.params.stop, len(delta)) if delta and self.params.stop else None
         if at is not None:
             self.text = self.text[:at]
+            self._finish("stop", now)
+        elif grammar is not None and grammar.finished:  # the text is complete: nothing but EOS could follow
             self._finish("stop", now)
         elif len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self._max_len:
             self._finish("length", now)

@@ -60,7 +60,8 @@ class Delta:
     ``text`` holds whole characters only; text that could still become a stop string is held back until it cannot.
     ``token_ids`` are the newly sampled ids (they may run ahead of ``text``), ``logprobs`` / ``tokens`` their
     log-probabilities and decoded strings when the request asked for logprobs (else empty). ``finish_reason`` is
-    set on the choice's last delta ("stop", "length" or "abort").
+    set on the choice's last delta ("stop", "length", "abort", or "grammar" for a structured output whose grammar
+    allowed no token).
     """
 
     index: int

@@ -16,10 +16,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from tessera.engine import SamplingParams
-from tessera.engine.chat import render_chat
 from tessera.server import protocol as p
 from tessera.server.bridge import ClientGone, EngineCall
+from tessera.server.chat_tools import ChatTools, tool_deltas
+from tessera.server.constraints import Constraint, chat_constraints, completion_constraints, one_constraint
 from tessera.server.engine_loop import EngineLoop, Prompt
+from tessera.server.tools import ToolCallParser, parse_tool_calls
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -54,15 +56,17 @@ def _check_model(settings: ServerSettings, model: str | None) -> None:
                               "(GET /v1/models)", param="model", code="model_not_found")
 
 
-def _sampling(req: p.SamplingFields, max_tokens: int, logprobs: bool, top: int = 0) -> list[SamplingParams]:
+def _sampling(req: p.SamplingFields, max_tokens: int, logprobs: bool, top: int = 0,
+              constraint: Constraint | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so seeded choices differ yet repeat."""
+    extra = constraint.kwargs() if constraint is not None else {}
     try:
         return [SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty,
                                seed=None if req.seed is None else req.seed + i, max_tokens=max_tokens,
                                stop=list(req.stop or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                               top_logprobs=top)
+                               top_logprobs=top, **extra)
                 for i in range(req.n)]
     except (ValueError, TypeError) as err:
         raise p.APIError(400, str(err)) from err
@@ -140,7 +144,7 @@ async def completions(settings: ServerSettings, req: p.CompletionRequest, reques
         raise p.APIError(400, "best_of is not supported (only best_of == n); omit it", param="best_of")
     wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = _sampling(req, _limit(settings, wanted, "max_tokens"), logprobs=req.logprobs is not None,
-                       top=req.logprobs or 0)
+                       top=req.logprobs or 0, constraint=one_constraint(completion_constraints(req)))
     call, prompt_tokens = await _prepare(settings, req.prompt, params, fit=False, request=request)
     rid, created = p.new_id("cmpl"), p.now()
     if req.stream:
@@ -200,25 +204,37 @@ async def chat_completions(settings: ServerSettings, req: p.ChatCompletionReques
                          param="messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.token_limit
+    offered = ChatTools.of(req)
     params = _sampling(req, _limit(settings, limit, param), logprobs=req.logprobs,
-                       top=(req.top_logprobs or 0) if req.logprobs else 0)
-    try:
-        prompt = render_chat(settings.chat_template, [{"role": m.role, "content": m.text()} for m in req.messages])
-    except Exception as err:  # the template is the checkpoint's code: any error it raises means a bad conversation
-        raise p.APIError(400, f"The chat template refused the messages: {err}", param="messages") from err
+                       top=(req.top_logprobs or 0) if req.logprobs else 0,
+                       constraint=one_constraint(chat_constraints(req, offered.grammar())))
+    prompt = offered.render(settings.chat_template, req.messages)
     call, prompt_tokens = await _prepare(settings, prompt, params, fit=limit is None, request=request)
     rid, created = p.new_id("chatcmpl"), p.now()
     top = req.top_logprobs or 0
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return EngineStream(call, _chat_chunks(call, settings.model_name, rid, created, prompt_tokens, usage, top))
+        return EngineStream(call, _chat_chunks(call, settings.model_name, rid, created, prompt_tokens, usage, top,
+                                               offered.names))
     choices = await _collect(call)
     return p.ChatCompletionResponse(
         id=rid, created=created, model=settings.model_name,
-        choices=[p.ChatChoice(index=i, message=p.AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                              logprobs=_chat_logprobs(c.tokens, c.logprobs, c.top) if req.logprobs else None)
-                 for i, c in enumerate(choices)],
+        choices=[_chat_choice(i, c, offered.names, req.logprobs) for i, c in enumerate(choices)],
         usage=p.Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices)))
+
+
+def _chat_choice(index: int, c: Choice, names: set[str], logprobs: bool) -> p.ChatChoice:
+    """A finished choice; with tools offered, the calls in its text become ``tool_calls``."""
+    content: str | None = c.text
+    calls: list[dict[str, str]] = []
+    if names:
+        content, calls = parse_tool_calls(c.text, names)
+    finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    message = p.AssistantMessage(content=content, tool_calls=[
+        p.ResponseToolCall(id=t["id"], function=p.ResponseFunctionCall(name=t["name"], arguments=t["arguments"]))
+        for t in calls] or None)
+    return p.ChatChoice(index=index, message=message, finish_reason=finish,
+                        logprobs=_chat_logprobs(c.tokens, c.logprobs, c.top) if logprobs else None)
 
 
 def _chat_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tuple[str, float]]]) -> p.ChatLogprobs:
@@ -232,21 +248,35 @@ def _chat_logprobs(tokens: list[str], logprobs: list[float], top: list[list[tupl
 
 
 async def _chat_chunks(call: EngineCall, model: str, rid: str, created: int, prompt_tokens: int,
-                       include_usage: bool, top: int) -> AsyncIterator[dict[str, Any]]:
+                       include_usage: bool, top: int, tool_names: set[str]) -> AsyncIterator[dict[str, Any]]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     tail = {"usage": None} if include_usage else {}
     for i in range(call.num_choices):  # OpenAI opens each choice with the role
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}], **tail}
+    parsers = [ToolCallParser(tool_names) for _ in range(call.num_choices)] if tool_names else None
     generated = 0
     async for d in call.deltas():
         generated += len(d.token_ids)
         if not d.text and d.finish_reason is None and not d.tokens:
             continue
         logprobs = _chat_logprobs(d.tokens, d.logprobs, d.top).model_dump() if d.tokens else None
-        delta = {"content": d.text} if d.text or d.tokens else {}
-        yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": d.finish_reason}], **tail}
+        if parsers is None:
+            delta = {"content": d.text} if d.text or d.tokens else {}
+            yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": d.finish_reason}], **tail}
+            continue
+        parser = parsers[d.index]
+        deltas = tool_deltas(parser.feed(d.text) + (parser.finish() if d.finish_reason else []))
+        finish = d.finish_reason
+        if finish == "stop" and parser.calls:
+            finish = "tool_calls"
+        if not deltas and (logprobs is not None or finish is not None):
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield {**head, "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                        "finish_reason": finish if last else None}], **tail}
     if include_usage:
         yield {**head, "choices": [], "usage": p.Usage.of(prompt_tokens, generated).model_dump()}
 

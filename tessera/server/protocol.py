@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated with pydantic), response bodies, and OpenAI-style errors.
 
 Only what the server implements is modelled. Fields OpenAI defines that we cannot honour (``echo``, ``logit_bias``,
-``tools``, ...) are accepted only at their "off" value, so a client never silently gets something it did not ask for;
+``suffix``, ...) are accepted only at their "off" value, so a client never silently gets something it did not ask for;
 unknown extra fields are ignored, as OpenAI's own server does for forward compatibility.
 
 Types are strict, as OpenAI's are: ``"0.5"`` is not a number, ``"yes"`` or ``1`` not a boolean, ``true`` or ``3.0`` not
@@ -83,6 +83,10 @@ class SamplingFields(_Request):
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0)
     ignore_eos: StrictBool = False
     logit_bias: dict[str, float] | None = None
+    # structured output, vLLM's names (llama.cpp's ``grammar`` and ``json_schema`` are on completions)
+    guided_json: dict[str, Any] | StrictBool | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +114,8 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
+    grammar: str | None = None  # llama.cpp's server: GBNF (or Lark)
+    json_schema: dict[str, Any] | StrictBool | None = None  # llama.cpp's server
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -153,10 +159,23 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: which call this answers
 
     @field_validator("content")
     @classmethod
@@ -174,8 +193,47 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class JSONSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"]
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (JSON valid under ``json_schema.schema``; the
+    grammar enforces it whether or not ``strict`` is set)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_given(cls, value: JSONSchemaFormat | None, info: ValidationInfo) -> JSONSchemaFormat | None:
+        if info.data.get("type") == "json_schema" and (value is None or value.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}; add the schema')
+        return value
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -187,7 +245,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -200,10 +260,24 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools (function calling) are not supported by this server; omit them")
+    def _distinct_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or []]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tools: each function needs its own name; {', '.join(twice)} appears more than once")
         return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            offered = ", ".join(t.function.name for t in tools) or "none"
+            raise ValueError(f"tool_choice names the function '{choice.function.name}', which is not among the "
+                             f"tools (offered: {offered}); name one of them")
+        if choice == "required" and not tools:
+            raise ValueError('tool_choice "required" needs tools; send tools, or tool_choice "auto" / "none"')
+        return choice
 
     @property
     def token_limit(self) -> int | None:
@@ -280,9 +354,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = []
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -74,7 +74,7 @@ def test_a_json_integer_is_a_number(server):
     ({"model": MODEL_NAME, "messages": [{"role": "robot", "content": "x"}]}, "role"),
     ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "not supported"),
+     "tools.0.function"),
 ])
 def test_bad_chat_requests_are_400(server, body, words):
     assert words in check_error(httpx2.post(f"{server.url}/v1/chat/completions", json=body), 400)

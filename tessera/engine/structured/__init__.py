@@ -1,0 +1,1 @@
+"""Structured output: generation constrained to a JSON schema, a regular expression or a grammar (llguidance)."""
