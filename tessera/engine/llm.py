@@ -58,6 +58,10 @@ class LLM:
         unchanged and sampled outputs keep their distribution (docs/speculative.md); a request opts out with
         ``SamplingParams(speculative=False)``.
     num_draft : the most tokens drafted per sequence and step (1..7; default 4); fewer when they do not pay off.
+    tensor_parallel_size : ranks the model is split across on this machine (tensor parallelism over
+        torch.distributed, gloo, one thread per rank; docs/distributed.md). 1 (default) runs in this process alone.
+        With N > 1, N - 1 worker processes are spawned; :attr:`model` is then rank 0's shard. Call :meth:`shutdown`
+        (or let the LLM be collected) to stop them.
 
     Examples
     --------
@@ -72,8 +76,14 @@ class LLM:
                  enable_prefix_caching: bool = True, keep_quantized: bool | None = None,
                  device: str | torch.device | None = None,
                  speculative: str | SpeculativeConfig | None = None, num_draft: int | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, tensor_parallel_size: int = 1) -> None:
         spec_config = parse_speculative(speculative, num_draft)  # a bad value fails before the model loads
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"LLM: tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size > 1 and spec_config is not None:
+            raise ValueError("LLM: speculative decoding does not run under tensor parallelism yet; drop speculative "
+                             "or use tensor_parallel_size=1")
         self.kv_cache_dtype = check_format(kv_cache_dtype, "LLM")
         if isinstance(model, Model):
             self.model = model if device is None else to_device(model, resolve_device(model.backend, device))
@@ -83,7 +93,15 @@ class LLM:
         if num_pages is None:
             num_pages = self._pages_for(kv_cache_memory, page_size, max_num_seqs)
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
-        self.cache = new_cache(self.model, num_pages, page_size, self.kv_cache_dtype)
+        self.tensor_parallel = None
+        if tensor_parallel_size > 1:  # rank 0 here, workers spawned; each rank holds its shard of weights and KV
+            from tessera.distributed.launch import TensorParallelEngine
+
+            self.tensor_parallel = TensorParallelEngine(self.model, tensor_parallel_size, num_pages, page_size,
+                                                        self.kv_cache_dtype)
+            self.model, self.cache = self.tensor_parallel.model, self.tensor_parallel.cache
+        else:
+            self.cache = new_cache(self.model, num_pages, page_size, self.kv_cache_dtype)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.speculative: SpeculativeDecoder | None = None
         if spec_config is not None:
@@ -93,8 +111,15 @@ class LLM:
             self.speculative = SpeculativeDecoder(spec_config, proposer, self.max_len)
             self.scheduler.on_release = self.speculative.release
         self.runner = Runner(self.model, self.cache, self.block_manager, self.speculative)
+        if self.tensor_parallel is not None:
+            self.runner.forward_step = self.tensor_parallel.forward_step
         self._ids = itertools.count()
         self.last_output: RequestOutput | None = None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (idempotent; a single-process LLM has nothing to stop)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     @property
     def tokenizer(self) -> Any:
@@ -284,6 +309,9 @@ class LLM:
         if len(ids) >= self.max_len:
             raise ValueError(f"request {i}: the prompt has {len(ids)} tokens but the context holds {self.max_len}, "
                              f"leaving no room to generate; shorten the prompt to at most {self.max_len - 1}")
+        if p.grammar_source is not None and (self.tokenizer is None or not self.model.config.eos_token_ids):
+            raise ValueError(f"request {i}: structured output (json_schema / regex / grammar / json_object) needs the "
+                             "model's tokenizer and an EOS token, and this model lacks one; drop the constraint")
         if p.n > self.scheduler.max_num_seqs:
             raise ValueError(f"request {i}: n={p.n} samples run at once but max_num_seqs is "
                              f"{self.scheduler.max_num_seqs}; lower n or raise max_num_seqs")

@@ -6,6 +6,7 @@ import torch
 
 from tessera.engine.scheduler import SchedulerOutput
 from tessera.engine.speculative.decoder import SpeculativeDecoder
+from tessera.engine.structured.decoding import StructuredDecoder
 from tessera.kernels.sampling import sample
 from tessera.kv import BlockManager, PagedKVCache
 from tessera.models.model import Model
@@ -26,6 +27,9 @@ class Runner:
                  speculative: SpeculativeDecoder | None = None) -> None:
         self.model, self.cache, self.block_manager = model, cache, block_manager
         self.speculative = speculative
+        # the forward of one step; a tensor-parallel engine puts its own here, which runs it on every rank
+        self.forward_step = forward_step
+        self.structured = StructuredDecoder(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
 
     def build_batch(self, out: SchedulerOutput) -> StepBatch:
         """The step's new tokens, positions' slots and page tables, sequence by sequence."""
@@ -65,28 +69,35 @@ class Runner:
             width = item.num_new if item.draft is not None else 1
             logit_rows += range(offset + item.num_new - width, offset + item.num_new)
             offset += item.num_new
-        logits = forward_step(self.model, self.cache, batch, logit_rows=logit_rows if drafted else None)
-        results: dict = {}
         rows, seqs = [], []
+        for r, item in enumerate(out.scheduled):
+            if item.draft is None and item.samples:  # parallel samples draw from the same logits row
+                for seq in (item.seq, *item.seq.pending_children):
+                    if seq is item.seq or not seq.is_finished:  # a sample aborted before its fork draws nothing
+                        rows.append(first_row[r])
+                        seqs.append(seq)
+        masks = self.structured.begin(seqs)  # structured output: computed while the forward runs; None if unused
+        logits = self.forward_step(self.model, self.cache, batch, logit_rows=logit_rows if drafted else None)
+        results: dict = {}
         for r, item in enumerate(out.scheduled):
             if item.draft is not None:
                 at = first_row[r]
                 verified = self.speculative.verify(item.seq, item.draft, logits[at:at + item.num_new],
                                                    self.model.backend)
                 results[item.seq.seq_id] = self._with_logprobs(item.seq, verified, logits[at:at + len(verified)])
-            elif item.samples:  # the other samples of a parallel-sampling request draw from the same logits row
-                for seq in (item.seq, *item.seq.pending_children):
-                    if seq is item.seq or not seq.is_finished:  # a sample aborted before its fork draws nothing
-                        rows.append(first_row[r])
-                        seqs.append(seq)
         if not rows:
             return results
+        sampled = logits[rows]  # a copy: the logprobs below still read the model's own distribution
+        if masks is not None:
+            self.structured.apply(masks, sampled)
         ids, _ = sample(
-            logits[rows], [s.params for s in seqs],
+            sampled, [s.params for s in seqs],
             token_counts=[s.token_ids if s.params.has_penalties else None for s in seqs],
             generators=[s.generator for s in seqs], backend=self.model.backend,
         )
         ids_list = ids.tolist()
+        if masks is not None:
+            self.structured.advance(masks, ids_list)
         results.update({s.seq_id: (t, 0.0, None) for s, t in zip(seqs, ids_list)})
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
         if want:  # the model's distribution (before penalties, temperature, filters), as OpenAI and vLLM report

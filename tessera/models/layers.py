@@ -19,6 +19,7 @@ from tessera import kernels as K
 from tessera.attention import AttentionSpec, attention, causal, sliding_window, softcap
 from tessera.kernels.quant import QuantizedWeight, StackedWeight
 from tessera.models.config import ModelConfig
+from tessera.models.parallel import ParallelLinear, ParallelTable
 
 Weights = dict[str, "torch.Tensor | QuantizedWeight"]
 
@@ -27,6 +28,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight | StackedWeight, b
            backend: str = "auto") -> torch.Tensor:
     """``x @ w.T (+ bias)`` for x ``[T, K]`` and w ``[N, K]`` (float, quantized, or row blocks in several packed
     formats), fp32 accumulation."""
+    if isinstance(w, ParallelLinear):  # a tensor-parallel row shard: local product, all-reduce, bias once
+        return w.linear(x, bias, backend)
     if isinstance(w, StackedWeight):
         out = torch.cat([K.qmatmul(x, p, backend=backend) for p in w.parts], dim=-1)
         return out if bias is None else out + bias
@@ -152,8 +155,16 @@ def forward_logits(config: ModelConfig, w: Weights, token_ids: torch.Tensor, bac
                 dense_attend(config, batch, seq, backend), backend, collect)
     if hidden_states is not None:
         hidden_states.extend(t.view(batch, seq, -1) for t in collect)
+    return output_logits(config, w, h, backend).view(batch, seq, -1)
+
+
+def output_logits(config: ModelConfig, w: Weights, h: torch.Tensor, backend: str) -> torch.Tensor:
+    """Float32 logits ``[T, vocab]`` of final-normed hidden states ``h [T, H]`` (the output table, or the tied
+    token table; a vocabulary-parallel table gathers the whole vocabulary)."""
     head = w.get("lm_head", w["embed"])
-    return K.lm_head(h, head, softcap=config.final_softcap, backend=backend).view(batch, seq, -1)
+    if isinstance(head, ParallelTable):
+        return head.lm_head(h, config.final_softcap, backend)
+    return K.lm_head(h, head, softcap=config.final_softcap, backend=backend)
 
 
 def weights_dtype(w: Weights) -> torch.dtype:
@@ -167,7 +178,11 @@ def decoder(config: ModelConfig, w: Weights, ids: torch.Tensor, positions: torch
     """All layers for tokens ``ids [T]`` at ``positions [T]``; returns the final-normed hidden states ``[T, H]``."""
     dtype = weights_dtype(w)
     scale = K.gemma_embed_scale(config.hidden_size, dtype) if config.embed_scale else None
-    x = K.embed(ids, w["embed"], scale=scale, dtype=dtype, backend=backend)
+    table = w["embed"]
+    if isinstance(table, ParallelTable):  # vocabulary-parallel: each rank looks up its rows, then a sum
+        x = table.embed(ids, scale, dtype, backend)
+    else:
+        x = K.embed(ids, table, scale=scale, dtype=dtype, backend=backend)
     if config.learned_positions:
         x = x + w["pos_embed"][positions]
     if hidden_states is not None:

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera import kernels as K
 from tessera.attention import plan
 from tessera.kernels import registry
 from tessera.kv import PagedKVCache
-from tessera.models.layers import decoder, layer_spec, rope_tables
+from tessera.models.layers import decoder, layer_spec, output_logits, rope_tables
 from tessera.models.model import Model
 
 
@@ -138,5 +137,4 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
         ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0],
                             dtype=torch.int64, device=device)
         h = h[ends]
-    head = w.get("lm_head", w["embed"])
-    return K.lm_head(h.contiguous(), head, softcap=config.final_softcap, backend=backend)
+    return output_logits(config, w, h.contiguous(), backend)

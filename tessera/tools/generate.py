@@ -44,6 +44,9 @@ def add_parser(commands) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes) the model is split across on this machine, one thread each "
+                        "(docs/distributed.md)")
     p.add_argument("--verbose", action="store_true",
                    help="break the start-up down (imports, load, tokenizer, kernel warm-up, prefill, decode)")
     p.add_argument("--wait-for-kernels", action="store_true",
@@ -92,11 +95,12 @@ def _run(args: argparse.Namespace) -> int:
             prompt = render_chat(model.chat_template, [{"role": "user", "content": args.prompt}])
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
-        quick = _quick_start(args, model)
+        # the quick-start switch changes rank 0's backend mid-run only; tensor-parallel ranks keep one backend
+        quick = _quick_start(args, model) if args.tensor_parallel_size == 1 else None
         if quick is not None:
             model = dataclasses.replace(model, backend=quick)
         llm = LLM(model, max_num_seqs=1, page_size=PAGE_SIZE, num_pages=_pages_needed(model, prompt, params),
-                  kv_cache_dtype=args.kv_cache_dtype, **speculative)
+                  kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size, **speculative)
         phases.engine = time.perf_counter()
     progress = CompileProgress(verbose=args.verbose)
     with kernel_clock(progress.on_compile, progress.on_compiled) as clock:

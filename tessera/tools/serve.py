@@ -32,6 +32,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="new tokens per engine step at most")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes) the model is split across on this machine, one thread each "
+                        "(docs/distributed.md)")
     p.add_argument("--num-pages", type=int, help="KV pages (default: from --kv-cache-memory-mib)")
     p.add_argument("--kv-cache-memory-mib", type=int, default=256, help="KV cache size when --num-pages is unset")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV of shared prompt prefixes")
@@ -80,7 +83,7 @@ def make_server(args: argparse.Namespace) -> Any:
               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
               kv_cache_memory=args.kv_cache_memory_mib * 2**20, enable_prefix_caching=not args.no_prefix_caching,
               keep_quantized=keep_quantized(args), device=args.device, kv_cache_dtype=args.kv_cache_dtype,
-              **speculative_args(args))
+              tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))
     app = create_app(llm, args.served_model_name or model_name(args.model), api_key=args.api_key,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      max_tokens_limit=args.max_tokens_limit)

@@ -1,0 +1,217 @@
+"""Rank 0's side of tensor parallelism on one machine: spawn the worker ranks, shard the model, run each step
+everywhere, and fail fast and clean when a rank dies or hangs.
+
+The engine process is rank 0: it keeps the scheduler and the block manager, holds shard 0 of the weights and of
+the paged KV cache, and before each forward broadcasts the step (page copies, token ids, slots, page table) to the
+workers, which run the same forward on their shards. Logits come out whole on every rank (vocabulary all-gather);
+only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tessera.distributed.comm import Communicator, TensorParallelError
+from tessera.distributed.layers import bind
+from tessera.distributed.sharding import local_config, mlp_unit, plan_shards, shard_weights
+from tessera.distributed.worker import WorkerSpec, run_step, set_threads, step_message, worker_main
+from tessera.kv import PagedKVCache
+from tessera.models.model import Model
+from tessera.models.paged import StepBatch, new_cache
+
+#: seconds a step's collective waits for a slow or stuck peer (TESSERA_TP_TIMEOUT overrides); generous because a
+#: rank's first step may compile kernels
+DEFAULT_TIMEOUT_S = 120.0
+#: seconds a worker waits for the next step (an idle engine) before giving up on rank 0
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+#: environment a worker starts with: its BLAS / OpenMP pools sized before they are created
+_POOL_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def rendezvous() -> tuple[str, int]:
+    """Host and port of rank 0's store: ``MASTER_ADDR`` / ``MASTER_PORT`` when set, else the loopback interface and a
+    port that was free a moment ago."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    return addr, int(port)
+
+
+class BroadcastCache:
+    """Rank 0's KV cache handle: its own shard, with page copies (copy-on-write) queued for the workers, which
+    apply them with the next step. Every other attribute is the shard's."""
+
+    def __init__(self, local: PagedKVCache) -> None:
+        self.local = local
+        self.pending: list = []
+
+    def copy_pages(self, copies: list) -> None:
+        self.local.copy_pages(copies)
+        self.pending.extend(copies)
+
+    def take_copies(self) -> list:
+        copies, self.pending = self.pending, []
+        return copies
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)
+
+
+class _Ranks:
+    """The worker processes and the group; what shutdown needs (kept apart from the engine for weakref.finalize)."""
+
+    def __init__(self) -> None:
+        self.procs: list = []
+        self.comm: Communicator | None = None
+        self.group_up = False
+        self.threads_before: int | None = None
+
+    def stop(self, graceful: bool) -> None:
+        if graceful and self.comm is not None and all(p.is_alive() for p in self.procs):
+            try:
+                self.comm.next_message({"op": "stop"})
+            except RuntimeError:  # a rank went away meanwhile: the kill below still ends the rest
+                pass
+        deadline = time.monotonic() + (5.0 if graceful else 0.0)
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5.0)
+        self.procs = []
+        if self.group_up:
+            self.group_up = False
+            dist.destroy_process_group()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
+
+
+class TensorParallelEngine:
+    """Rank 0 of a ``world``-rank tensor-parallel group on this machine.
+
+    Parameters
+    ----------
+    model : the whole model (loaded on rank 0, then cut; each worker receives only its shard).
+    world : ranks, 2 or more.
+    num_pages, page_size, kv_cache_dtype : the paged cache every rank allocates (each with its own KV heads).
+    threads_per_rank : intra-op threads of each rank (rank 0 included).
+    timeout_s : the longest a step waits for a peer; None reads ``TESSERA_TP_TIMEOUT`` or uses 120 s.
+
+    Attributes
+    ----------
+    model : rank 0's shard as a :class:`Model` (its config has rank 0's heads; tokenizer and vocabulary are whole).
+    cache : rank 0's cache handle (:class:`BroadcastCache`).
+    """
+
+    def __init__(self, model: Model, world: int, num_pages: int, page_size: int, kv_cache_dtype: str | None = None,
+                 threads_per_rank: int = 1, timeout_s: float | None = None) -> None:
+        if not isinstance(world, int) or world < 2:
+            raise ValueError(f"TensorParallelEngine: world must be an int >= 2, got {world!r}")
+        if model.device.type != "cpu":
+            raise ValueError(f"tensor parallelism runs on CPU ranks over gloo for now; the model is on {model.device}")
+        self.world = world
+        self.timeout_s = float(timeout_s if timeout_s is not None else
+                               os.environ.get("TESSERA_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
+        config, weights = model.config, model.weights
+        shards = plan_shards(config, world, mlp_unit(weights, config.num_layers))
+        vocab_ranges = [s.vocab for s in shards]
+        host, port = rendezvous()
+        self._ranks = _Ranks()
+        self._finalizer = weakref.finalize(self, self._ranks.stop, False)
+        self._error: TensorParallelError | None = None
+        ctx = mp.get_context("spawn")
+        saved = {k: os.environ.get(k) for k in _POOL_VARS}
+        os.environ.update({k: str(threads_per_rank) for k in _POOL_VARS})
+        try:
+            for shard in shards[1:]:
+                spec = WorkerSpec(shard.rank, world, host, port, local_config(config, shard), shard, vocab_ranges,
+                                  model.backend, num_pages, page_size, kv_cache_dtype, threads_per_rank,
+                                  self.timeout_s, IDLE_TIMEOUT_S)
+                proc = ctx.Process(target=worker_main, args=(spec, shard_weights(config, weights, shard)),
+                                   name=f"tessera-tp-rank{shard.rank}", daemon=True)
+                proc.start()
+                self._ranks.procs.append(proc)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            wait = timedelta(seconds=self.timeout_s)
+            store = dist.TCPStore(host, port, world, is_master=True, timeout=wait)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=wait)
+            self._ranks.group_up = True
+            self._ranks.comm = self.comm = Communicator(0, world, store, IDLE_TIMEOUT_S)
+        except Exception as exc:
+            error = TensorParallelError(f"tensor parallelism: the {world} ranks did not form a group ({exc}); "
+                                        f"{self._rank_states()}")
+            self._ranks.stop(graceful=False)
+            raise error from exc
+        self._ranks.threads_before = torch.get_num_threads()
+        set_threads(threads_per_rank)
+        shard0 = shards[0]
+        bound = bind(shard_weights(config, weights, shard0), shard0, vocab_ranges, self.comm)
+        self.model = dataclasses.replace(model, config=local_config(config, shard0), weights=bound)
+        self.cache = BroadcastCache(new_cache(self.model, num_pages, page_size, kv_cache_dtype))
+
+    # ------------------------------------------------------------------------------------------- steps
+    def forward_step(self, model: Model, cache: object, step: StepBatch, *, all_logits: bool = False,
+                     logit_rows: list[int] | None = None) -> torch.Tensor:
+        """:func:`tessera.models.paged.forward_step` over every rank: the signature the runner calls (``model`` and
+        ``cache`` are rank 0's shard and handle). Any failure ends the engine with a :class:`TensorParallelError`."""
+        if self._error is not None:
+            raise self._error
+        try:
+            dead = [p for p in self._ranks.procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError("a worker is not running")
+            msg = step_message(step, self.cache.take_copies(), all_logits, logit_rows)
+            self.comm.next_message(msg)
+            return run_step(self.model, self.cache.local, msg)
+        except Exception as exc:
+            for p in self._ranks.procs:  # a rank that just died is reaped within moments: report its exit code
+                p.join(0.5)
+            self._error = TensorParallelError(
+                f"tensor-parallel step failed and the engine stopped: {self._rank_states()}; cause: "
+                f"{type(exc).__name__}: {exc}. Create a new LLM to continue")
+            self._ranks.stop(graceful=False)
+            raise self._error from exc
+
+    def _rank_states(self) -> str:
+        states = []
+        for p in self._ranks.procs:
+            code = p.exitcode
+            if code is None:
+                states.append(f"rank {p.name[len('tessera-tp-rank'):]} (pid {p.pid}) alive")
+            else:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                states.append(f"rank {p.name[len('tessera-tp-rank'):]} (pid {p.pid}) {how}")
+        hung = (f"; an alive rank that did not answer within {self.timeout_s:g} s is stuck (TESSERA_TP_TIMEOUT sets "
+                "the limit)")
+        return ", ".join(states) + (hung if all(p.exitcode is None for p in self._ranks.procs) else "")
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker ranks (1 .. world-1)."""
+        return [p.pid for p in self._ranks.procs]
+
+    def shutdown(self) -> None:
+        """Stop the workers (a stop message, then kill what is left after 5 s) and leave the group. Idempotent."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self._ranks.stop(graceful=self._error is None)
