@@ -9,15 +9,13 @@ import json
 import jsonschema
 import pytest
 import torch
-import transformers
 
 from tessera.engine import LLM, SamplingParams
 from tessera.engine.sequence import Sequence
 from tessera.engine.structured.decoding import GrammarState, PendingMasks, StructuredDecoder
 from tessera.models import load_model
 from tests.engine.schemas import SCHEMAS
-from tests.models.helpers import save_tiny
-from tests.server.conftest import EOS, char_tokenizer
+from tests.server.conftest import save_char_llama
 
 MAX_TOKENS = 160
 
@@ -25,14 +23,7 @@ MAX_TOKENS = 160
 @pytest.fixture(scope="module")
 def char_model(tmp_path_factory):
     """A tiny random Llama whose tokenizer has one token per printable character (so every grammar is reachable)."""
-    path = tmp_path_factory.mktemp("tiny_llama_structured")
-    tok = char_tokenizer()
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS)
-    save_tiny(transformers.LlamaForCausalLM, config, path)
-    tok.save(str(path / "tokenizer.json"))
-    return load_model(path)
+    return load_model(save_char_llama(tmp_path_factory.mktemp("tiny_llama_structured"), 512))
 
 
 @pytest.fixture(scope="module")

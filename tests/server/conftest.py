@@ -39,16 +39,20 @@ def char_tokenizer() -> Tokenizer:
     return tok
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama_chars")
+def save_char_llama(path: Path, max_positions: int) -> Path:
+    """A tiny random Llama with :func:`char_tokenizer` (one token per printable character) saved in ``path``."""
     tok = char_tokenizer()
     config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS)
+                                      max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=EOS)
     save_tiny(transformers.LlamaForCausalLM, config, path)
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_char_llama(tmp_path_factory.mktemp("tiny_llama_chars"), 256)
 
 
 @pytest.fixture(scope="session")

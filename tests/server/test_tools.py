@@ -16,8 +16,7 @@ from tessera.server.tools import ToolCallParser
 from tessera.engine import LLM
 from tessera.models import load_model
 from tessera.server import create_app
-from tests.models.helpers import save_tiny
-from tests.server.conftest import CHAT_TEMPLATE, EOS, MODEL_NAME, Running, char_tokenizer, run_server
+from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, Running, run_server, save_char_llama
 from tests.server.test_errors import check_error
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
@@ -38,16 +37,7 @@ SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 120}
 def server(tmp_path_factory):
     """The tests' tiny character-level model with a 2048-token context: the tool list in the prompt is ~700
     characters, more than the shared server's 256."""
-    import transformers
-
-    path = tmp_path_factory.mktemp("tiny_llama_tools")
-    tok = char_tokenizer()
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=EOS)
-    save_tiny(transformers.LlamaForCausalLM, config, path)
-    tok.save(str(path / "tokenizer.json"))
-    model = load_model(path)
+    model = load_model(save_char_llama(tmp_path_factory.mktemp("tiny_llama_tools"), 2048))
     model.chat_template = CHAT_TEMPLATE
     llm = LLM(model, page_size=16, num_pages=1024, max_num_seqs=16, max_num_batched_tokens=1024)
     app = create_app(llm, MODEL_NAME, max_tokens_limit=200)
