@@ -4,10 +4,16 @@ For each case: the median time of each backend (A B A B ...), the ratio mlir / c
 entries only), the max abs difference between the two, and the compile time of the case's module, measured
 separately in a fresh cache directory (so it is the cold cost a new machine pays once; later runs load the binary).
 
+With ``--tune``, first measure the kernel's tunables (``mlir_attention_rows``, ``mlir_attention_kv_tile``,
+``mlir_tokens_max_q``; :mod:`tessera.backends.mlir.tunables`) with ``tessera tune``'s search and store the winners
+in this machine's tuning cache (``$TESSERA_CACHE_DIR/tuning``), then run the cases with them. ``--cases ''`` tunes
+only. ``tessera tune --only mlir_attention_rows ...`` runs the same searches.
+
 Usage::
 
     python benchmarks/mlir_attention.py                       # every case
     python benchmarks/mlir_attention.py --cases causal --reps 9 --json benchmarks/results/mlir-attention.json
+    python benchmarks/mlir_attention.py --tune --quick --cases causal,decode
 """
 
 from __future__ import annotations
@@ -111,11 +117,14 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(c.name for c in CASES))
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", default="")
+    parser.add_argument("--tune", action="store_true", help="measure the mlir tunables first and store the winners")
+    parser.add_argument("--quick", action="store_true", help="with --tune: smaller shapes, fewer rounds")
     args = parser.parse_args()
-    wanted = args.cases.split(",")
+    wanted = [name for name in args.cases.split(",") if name]
     unknown = set(wanted) - {c.name for c in CASES}
     if unknown:
         parser.error(f"unknown case(s) {sorted(unknown)}; choose from {[c.name for c in CASES]}")
+    tuned_rows = tune(args.quick) if args.tune else []
     rows = [run_case(c, args.reps) for c in CASES if c.name in wanted]
     cpu = cpu_model()
     table = Table(title=f"mlir vs cpu attention on {cpu} ({os.cpu_count()} cpus), {time.strftime('%Y-%m-%d')}")
@@ -125,11 +134,33 @@ def main() -> None:
         table.add_row(r["case"], r["dtype"], r["shape"], f"{r['mlir_ms']:.2f}", f"{r['cpu_ms']:.2f}",
                       f"{r['ratio_mlir_over_cpu']:.2f}x", f"{r['mlir_gflops']:.1f}", f"{r['compile_s']:.2f}",
                       f"{r['max_abs_diff']:.1e}")
-    Console(width=200).print(table)
+    if rows:
+        Console(width=200).print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "rows": rows}, f,
-                      indent=2)
+            json.dump({"cpu": cpu, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "rows": rows,
+                       "tuning": tuned_rows}, f, indent=2)
+
+
+#: the tunables ``--tune`` measures, in order (the layout crossover is timed with the tiling already chosen)
+TUNABLES = ("mlir_attention_rows", "mlir_attention_kv_tile", "mlir_tokens_max_q")
+
+
+def tune(quick: bool) -> list[dict]:
+    """Search :data:`TUNABLES` as ``tessera tune`` does, store the winners in this machine's tuning cache, print
+    and return them."""
+    from tessera.tuning import search
+
+    outcomes = search.tune(search.plan(TUNABLES), quick=quick)
+    table = Table(title=f"mlir tunables on {cpu_model()} ({'quick' if quick else 'full'} search)")
+    for col in ("tunable", "default", "chosen", "speed-up", "candidates (median ms)", "reason"):
+        table.add_column(col)
+    for o in outcomes:
+        unit = 1e3 if o.grid is None else 1.0  # a crossover's candidates are modelled costs, not seconds
+        cands = ", ".join(f"{c['value']}: {c['seconds'] * unit:.3g}" for c in o.candidates)
+        table.add_row(o.name, str(o.default), str(o.chosen), f"{o.speedup:.2f}x", cands, o.reason)
+    Console(width=200).print(table)
+    return [o.to_entry() | {"name": o.name} for o in outcomes]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
   in-memory and on-disk caches.
 - :mod:`tessera.mlir.op_kernels`: the kernel library's ops as dynamic-shape linalg modules.
 - :mod:`tessera.mlir.dialect`, :mod:`~tessera.mlir.capture`, :mod:`~tessera.mlir.passes`, :mod:`~tessera.mlir.dump`:
-  the ``tessera`` dialect (xDSL), decoder capture, fusion passes and ``tessera mlir dump``.
+  the ``tessera`` dialect (xDSL), decoder capture, fusion and annotation passes and ``tessera mlir dump``.
+- :mod:`tessera.mlir.schedule`: block-sparse schedules (the kv tiles each q tile visits), shared by the planner and
+  the ``block-sparse-schedule`` pass.
 - :mod:`tessera.mlir.lower_graph`: a captured layer as one IREE module.
 
 The ``mlir`` backend (:mod:`tessera.backends.mlir`) runs these kernels. Nothing here imports IREE until a module is

@@ -1,12 +1,15 @@
 """Lowering of one attention spec to a FlashAttention-style kernel in MLIR's upstream dialects, for IREE.
 
 The kernel is one ``flow.dispatch.workgroups`` region: each workgroup takes one *work item* (``ITEM_FIELDS``) from the
-host-built plan: :data:`ROWS` query rows (``(token, head)`` pairs of one kv head's GQA group, so the group's heads
-share every key and value read) and a list of kv tiles of :data:`~tessera.mlir.trace.LANES` keys. Only the tiles the
-plan keeps are visited (block sparsity); scores never leave registers: per tile, ``scf.for`` over the head dim builds
-the ``ROWS x 16`` scores with ``vector.fma``, the mask and score function run on those vectors, the online softmax
-rescales the running ``(max, sum, acc)`` held in ``scf.for`` iter_args, and ``P @ V`` accumulates into the
-``ROWS x head_dim`` accumulator.
+host-built plan: ``rows`` query rows (``(token, head)`` pairs of one kv head's GQA group, so the group's heads
+share every key and value read; :data:`ROWS` by default) and a list of kv tiles of ``kv_tile`` keys (a multiple of
+:data:`~tessera.mlir.trace.LANES`; :data:`KV_TILE` by default). Only the tiles the plan keeps are visited (block
+sparsity); scores never leave registers: per 16 keys of a tile, ``scf.for`` over the head dim builds the
+``rows x 16`` scores with ``vector.fma``, the mask and score function run on those vectors, the online softmax
+rescales the running ``(max, sum, acc)`` held in ``scf.for`` iter_args once per tile, and ``P @ V`` accumulates into
+the ``rows x head_dim`` accumulator. ``rows`` and ``kv_tile`` are the ``mlir_attention_rows`` and
+``mlir_attention_kv_tile`` tunables (:mod:`tessera.backends.mlir.tunables`); the plan and the kernel must agree on
+them, so the planner records them and the backend lowers the kernel the plan names.
 
 Layouts (the host packs them, see :mod:`tessera.backends.mlir.backend`):
 
@@ -31,8 +34,14 @@ from tessera.attention.spec import AttentionSpec
 from tessera.mlir.text import TextBuilder
 from tessera.mlir.trace import FLOAT, INT, LANES, AuxValues, Scope, Sym, mask_value, score_value, vtype
 
-#: query rows per work item: 4 rows x (D / 16) accumulators stay in the 32 vector registers up to D = 128
+#: default query rows per work item: 4 rows x (D / 16) accumulators stay in the 32 vector registers up to D = 128
 ROWS = 4
+#: default keys per kv tile (one vector); a bigger tile rescales the online softmax less often but visits more
+#: masked keys at a mask's edge
+KV_TILE = 16
+#: the ``rows`` and ``kv_tile`` values a kernel can be lowered with (more rows would spill every accumulator)
+ROW_CHOICES = (1, 2, 4, 8)
+KV_TILE_CHOICES = (16, 32, 64)
 #: fields of a work item (int32): which sequence, which rows, where its keys live, which tiles it visits
 ITEM_FIELDS = ("seq", "row0", "num_rows", "q_row0", "q_pos0", "kv_row0", "kv_len", "kv_head", "tile_off",
                "tile_count")
@@ -60,6 +69,8 @@ class AttentionKernel:
     aux_f: np.ndarray
     key_layout: str
     kv_element: str
+    rows: int = ROWS
+    kv_tile: int = KV_TILE
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -68,13 +79,19 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def lower_attention(spec: AttentionSpec, key_layout: str = "tiles", kv_element: str = "f32",
-                    entry: str = "attention") -> AttentionKernel:
+                    entry: str = "attention", rows: int = ROWS, kv_tile: int = KV_TILE) -> AttentionKernel:
     """The kernel of ``spec`` reading keys and values in ``key_layout`` (raises
     :class:`~tessera.mlir.trace.UntranslatableError` when its mask or score cannot be translated).
 
     ``kv_element`` is the element type of the "tokens" layout's keys and values (read in place and widened in
-    registers); the "tiles" layout is always float32 (the host packs it).
+    registers); the "tiles" layout is always float32 (the host packs it). ``rows`` is the query rows per work item
+    (:data:`ROW_CHOICES`) and ``kv_tile`` the keys per kv tile (:data:`KV_TILE_CHOICES`); the plan that feeds the
+    kernel must be built with the same values.
     """
+    if rows not in ROW_CHOICES:
+        raise ValueError(f"rows must be one of {ROW_CHOICES} (query rows per work item), got {rows!r}")
+    if kv_tile not in KV_TILE_CHOICES:
+        raise ValueError(f"kv_tile must be one of {KV_TILE_CHOICES} (keys per kv tile), got {kv_tile!r}")
     if key_layout not in KEY_LAYOUTS:
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
     if kv_element not in KV_ELEMENTS or (key_layout == "tiles" and kv_element != "f32"):
@@ -83,18 +100,20 @@ def lower_attention(spec: AttentionSpec, key_layout: str = "tiles", kv_element: 
     aux = AuxValues(ints=[spec.group_size], floats=[spec.softmax_scale])
     body = TextBuilder(indent=4)
     layout = _KeyReader(body, key_layout, kv_element, spec.head_dim, d)
-    _emit_item(body, spec, aux, d, layout)
+    _emit_item(body, spec, aux, d, layout, rows, kv_tile)
     aux_i, aux_f = aux.buffers()
-    return AttentionKernel(_module(entry, d, body.text(), layout), entry, d, aux_i, aux_f, key_layout, kv_element)
+    return AttentionKernel(_module(entry, d, body.text(), layout, rows, kv_tile), entry, d, aux_i, aux_f, key_layout,
+                           kv_element, rows, kv_tile)
 
 
-def _module(entry: str, d: int, body: str, layout: _KeyReader) -> str:
+def _module(entry: str, d: int, body: str, layout: _KeyReader, rows: int, kv_tile: int) -> str:
     q_t, kt_t, v_t = f"tensor<?x?x{d}xf32>", layout.k_type, layout.v_type
     items_t, lse_t = f"tensor<?x{len(ITEM_FIELDS)}xi32>", "tensor<?x?xf32>"
     vec_i, vec_f = "tensor<?xi32>", "tensor<?xf32>"
     ro = lambda t: f"{_DT}<readonly:{t}>"  # noqa: E731
     wo = lambda t: f"{_DT}<writeonly:{t}>"  # noqa: E731
-    return f"""// Generated by tessera.mlir.attention_kernel: runtime values live in %auxI / %auxF.
+    return f"""// Generated by tessera.mlir.attention_kernel: {rows} query rows per work item,
+// kv tiles of {kv_tile} keys; runtime values live in %auxI / %auxF.
 func.func @{entry}(%q: {q_t}, %kt: {kt_t}, %v: {v_t}, %items: {items_t}, %tiles: {vec_i}, %kvmap: {vec_i},
     %auxI: {vec_i}, %auxF: {vec_f}) -> ({q_t}, {lse_t}) {{
   %c0 = arith.constant 0 : index
@@ -145,9 +164,11 @@ func.func @{entry}(%q: {q_t}, %kt: {kt_t}, %v: {v_t}, %items: {items_t}, %tiles:
 """
 
 
-def _emit_item(b: TextBuilder, spec: AttentionSpec, aux: AuxValues, d: int, keys: _KeyReader) -> None:
+def _emit_item(b: TextBuilder, spec: AttentionSpec, aux: AuxValues, d: int, keys: _KeyReader, n_rows: int,
+               kv_tile: int) -> None:
     """The body of one workgroup: read its item, run the tile loop, write its rows."""
     chunks = d // LANES
+    subs = kv_tile // LANES  # vectors of 16 keys per kv tile
     c = {n: b.value(f"arith.constant {n} : index", "c") for n in (0, 1)}
     item = b.value("flow.dispatch.workgroup.id[0] : index", "item")
     field = {}
@@ -159,11 +180,11 @@ def _emit_item(b: TextBuilder, spec: AttentionSpec, aux: AuxValues, d: int, keys
     group = b.value(f"arith.index_cast {group_i} : i32 to index", "group")
     scale = b.value(f"tensor.extract %auxF[{c[0]}] : tensor<?xf32>", "scale")
     scope = Scope(b, aux)
-    b.comment(f"the {ROWS} query rows of this item: row r is (token, head) = divmod(row0 + r, group)")
+    b.comment(f"the {n_rows} query rows of this item: row r is (token, head) = divmod(row0 + r, group)")
     rows = []
     last = b.value(f"arith.subi {field['num_rows'][1]}, {c[1]} : index")
     head0 = b.value(f"arith.muli {field['kv_head'][1]}, {group} : index")
-    for r in range(ROWS):
+    for r in range(n_rows):
         rc = b.value(f"arith.constant {r} : index", "c")
         clamped = b.value(f"arith.minsi {rc}, {last} : index")  # rows past num_rows repeat the last; never written
         rho = b.value(f"arith.addi {field['row0'][1]}, {clamped} : index")
@@ -184,83 +205,107 @@ def _emit_item(b: TextBuilder, spec: AttentionSpec, aux: AuxValues, d: int, keys
     keys.begin_item(field, c, rows)
 
     # Loop-carried state: the running max m, sum l and accumulator rows of every query row.
-    carried = ([(f"%m{r}", neg_inf, "f32") for r in range(ROWS)] + [(f"%l{r}", zero_f, "f32") for r in range(ROWS)]
-               + [(f"%a{r}_{j}", zero_v, _F32V) for r in range(ROWS) for j in range(chunks)])
+    carried = ([(f"%m{r}", neg_inf, "f32") for r in range(n_rows)]
+               + [(f"%l{r}", zero_f, "f32") for r in range(n_rows)]
+               + [(f"%a{r}_{j}", zero_v, _F32V) for r in range(n_rows) for j in range(chunks)])
     state = b.fresh("state")
-    b.comment("online softmax over the kv tiles the plan keeps for this item")
+    b.comment(f"online softmax over the kv tiles ({kv_tile} keys each) the plan keeps for this item")
     b.line(f"{state}:{len(carried)} = scf.for %t = {c[0]} to {field['tile_count'][1]} step {c[1]} iter_args("
            + ", ".join(f"{n} = {init}" for n, init, _ in carried) + ") -> (" + ", ".join(t for *_, t in carried)
            + ") {")
     with b.region():
         at = b.value(f"arith.addi {field['tile_off'][1]}, %t : index")
-        j_i = b.value(f"tensor.extract %tilesT[{at}] : tensor<?xi32>", "j")
-        j = b.value(f"arith.index_cast {j_i} : i32 to index", "j")
-        acc = keys.scores(j, rows, zero_v, d_end)
-        j_v = b.value(f"vector.broadcast {j_i} : i32 to {vtype(INT)}")
-        kv_pos = Sym(b.value(f"arith.addi {j_v}, {iota} : {vtype(INT)}", "kvpos"), INT, scope)
-        in_range = b.value(f"arith.cmpi slt, {kv_pos.name}, {kv_len_v} : {vtype(INT)}", "inrange")
+        tile_i = b.value(f"tensor.extract %tilesT[{at}] : tensor<?xi32>", "j")
+        # One tile is `subs` vectors of 16 keys: sub-tile u starts at key j_u = j + 16 u.
+        starts = []
+        for u in range(subs):
+            j_i = tile_i if u == 0 else b.value(f"arith.addi {tile_i}, "
+                                                + b.value(f"arith.constant {u * LANES} : i32", "c") + " : i32", "j")
+            starts.append((j_i, b.value(f"arith.index_cast {j_i} : i32 to index", "j")))
+        acc = [keys.scores(j, rows, zero_v, d_end) for _, j in starts]  # [u][r]
+        kv_pos, in_range = [], []
+        for j_i, _ in starts:
+            j_v = b.value(f"vector.broadcast {j_i} : i32 to {vtype(INT)}")
+            pos = Sym(b.value(f"arith.addi {j_v}, {iota} : {vtype(INT)}", "kvpos"), INT, scope)
+            kv_pos.append(pos)
+            in_range.append(b.value(f"arith.cmpi slt, {pos.name}, {kv_len_v} : {vtype(INT)}", "inrange"))
         new_m, new_l, scaled_acc, probs = [], [], [], []
+        traced = False
         for r, row in enumerate(rows):
             b.comment(f"row {r}: score function, mask, online softmax")
-            s = Sym(b.value(f"arith.mulf {acc[r]}, {scale_v} : {_F32V}", "sc"), FLOAT, scope)
-            keep = in_range
             if spec.score is not None or spec.mask is not None:
-                if r:
-                    aux.replay()  # every row reads the values the first row's trace stored
                 h_v = Sym(b.value("vector.broadcast " + b.value(f"arith.index_cast {row['head']} : index to i32")
                                   + f" : i32 to {vtype(INT)}", "h"), INT, scope)
                 q_pos_v = Sym(b.value("vector.broadcast " + b.value(f"arith.index_cast {row['q_pos']} : index to i32")
                                       + f" : i32 to {vtype(INT)}", "qposv"), INT, scope)
-                if spec.score is not None:
-                    s = score_value(spec.score, s, seq_v, h_v, q_pos_v, kv_pos)
-                if spec.mask is not None:
-                    allowed = mask_value(spec.mask, seq_v, h_v, q_pos_v, kv_pos)
-                    keep = b.value(f"arith.andi {keep}, {allowed.name} : {vtype('bool')}", "keep")
-            masked = b.value(f"arith.select {keep}, {s.name}, {ninf_v} : {vtype('bool')}, {_F32V}", "sm")
-            tile_max = b.value(f"vector.reduction <maximumf>, {masked} : {_F32V} into f32", "tmax")
+            masked = []
+            for u in range(subs):
+                s = Sym(b.value(f"arith.mulf {acc[u][r]}, {scale_v} : {_F32V}", "sc"), FLOAT, scope)
+                keep = in_range[u]
+                if spec.score is not None or spec.mask is not None:
+                    if traced:
+                        aux.replay()  # every trace reads the values the first one stored
+                    traced = True
+                    if spec.score is not None:
+                        s = score_value(spec.score, s, seq_v, h_v, q_pos_v, kv_pos[u])
+                    if spec.mask is not None:
+                        allowed = mask_value(spec.mask, seq_v, h_v, q_pos_v, kv_pos[u])
+                        keep = b.value(f"arith.andi {keep}, {allowed.name} : {vtype('bool')}", "keep")
+                masked.append(b.value(f"arith.select {keep}, {s.name}, {ninf_v} : {vtype('bool')}, {_F32V}", "sm"))
+            tile_max = b.value(f"vector.reduction <maximumf>, {masked[0]} : {_F32V} into f32", "tmax")
+            for u in range(1, subs):
+                tile_max = b.value(f"arith.maximumf {tile_max}, "
+                                   + b.value(f"vector.reduction <maximumf>, {masked[u]} : {_F32V} into f32", "tmax")
+                                   + " : f32", "tmax")
             m_new = b.value(f"arith.maximumf %m{r}, {tile_max} : f32", "mnew")
             # A row with nothing kept so far has m = -inf: subtract 0 instead, so exp gives 0, never NaN.
             dead = b.value(f"arith.cmpf oeq, {m_new}, {neg_inf} : f32")
             m_safe = b.value(f"arith.select {dead}, {zero_f}, {m_new} : f32", "msafe")
             alpha = b.value("math.exp " + b.value(f"arith.subf %m{r}, {m_safe} : f32") + " : f32", "alpha")
-            p = b.value("math.exp " + b.value(f"arith.subf {masked}, "
-                                              + b.value(f"vector.broadcast {m_safe} : f32 to {_F32V}")
-                                              + f" : {_F32V}") + f" : {_F32V}", "p")
-            tile_sum = b.value(f"vector.reduction <add>, {p} : {_F32V} into f32", "tsum")
+            m_safe_v = b.value(f"vector.broadcast {m_safe} : f32 to {_F32V}")
+            p = [b.value("math.exp " + b.value(f"arith.subf {masked[u]}, {m_safe_v} : {_F32V}") + f" : {_F32V}", "p")
+                 for u in range(subs)]
+            tile_sum = b.value(f"vector.reduction <add>, {p[0]} : {_F32V} into f32", "tsum")
+            for u in range(1, subs):
+                tile_sum = b.value(f"arith.addf {tile_sum}, "
+                                   + b.value(f"vector.reduction <add>, {p[u]} : {_F32V} into f32", "tsum")
+                                   + " : f32", "tsum")
             l_new = b.value("arith.addf " + b.value(f"arith.mulf %l{r}, {alpha} : f32") + f", {tile_sum} : f32", "lnew")
             alpha_v = b.value(f"vector.broadcast {alpha} : f32 to {_F32V}", "alphav")
             new_m.append(m_new)
             new_l.append(l_new)
             probs.append(p)
             scaled_acc.append([b.value(f"arith.mulf %a{r}_{jj}, {alpha_v} : {_F32V}", "as") for jj in range(chunks)])
-        b.comment(f"acc += P @ V: each key's value row ({chunks} vectors) times every row's probability")
         flat = [a for row_acc in scaled_acc for a in row_acc]
-        pv = b.fresh("pv")
-        b.line(f"{pv}:{len(flat)} = scf.for %n = {c[0]} to " + b.value(f"arith.constant {LANES} : index", "c")
-               + f" step {c[1]} iter_args(" + ", ".join(f"%pa{i} = {a}" for i, a in enumerate(flat)) + ") -> ("
-               + ", ".join([_F32V] * len(flat)) + ") {")
-        with b.region():
-            v_row = keys.value_row(j, "%n")
-            weights = [b.value("vector.broadcast " + b.value(f"vector.extract {probs[r]}[%n] : f32 from {_F32V}")
-                               + f" : f32 to {_F32V}", "pw") for r in range(ROWS)]
-            updated = [f"%pa{i}" for i in range(len(flat))]
-            for jj in range(chunks):
-                col = b.value(f"arith.constant {jj * LANES} : index", "c")
-                v_vec = keys.read_row("%vT", v_row, col, jj)
-                for r in range(ROWS):
-                    i = r * chunks + jj
-                    updated[i] = b.value(f"vector.fma {weights[r]}, {v_vec}, {updated[i]} : {_F32V}", "a")
-            b.line(f"scf.yield {', '.join(updated)} : {', '.join([_F32V] * len(flat))}")
-        b.line("}")
-        scaled_acc = [[f"{pv}#{r * chunks + jj}" for jj in range(chunks)] for r in range(ROWS)]
-        b.line("scf.yield " + ", ".join(new_m + new_l + [a for row_acc in scaled_acc for a in row_acc]) + " : "
-               + ", ".join(t for *_, t in carried))
+        for u, (_, j) in enumerate(starts):
+            b.comment(f"acc += P @ V over keys {u * LANES}..{u * LANES + LANES - 1} of the tile: each key's value row "
+                      f"({chunks} vectors) times every row's probability")
+            pv = b.fresh("pv")
+            b.line(f"{pv}:{len(flat)} = scf.for %n = {c[0]} to " + b.value(f"arith.constant {LANES} : index", "c")
+                   + f" step {c[1]} iter_args(" + ", ".join(f"%pa{i} = {a}" for i, a in enumerate(flat)) + ") -> ("
+                   + ", ".join([_F32V] * len(flat)) + ") {")
+            with b.region():
+                v_row = keys.value_row(j, "%n")
+                weights = [b.value("vector.broadcast " + b.value(f"vector.extract {probs[r][u]}[%n] : f32 from "
+                                                                 f"{_F32V}") + f" : f32 to {_F32V}", "pw")
+                           for r in range(n_rows)]
+                updated = [f"%pa{i}" for i in range(len(flat))]
+                for jj in range(chunks):
+                    col = b.value(f"arith.constant {jj * LANES} : index", "c")
+                    v_vec = keys.read_row("%vT", v_row, col, jj)
+                    for r in range(n_rows):
+                        i = r * chunks + jj
+                        updated[i] = b.value(f"vector.fma {weights[r]}, {v_vec}, {updated[i]} : {_F32V}", "a")
+                b.line(f"scf.yield {', '.join(updated)} : {', '.join([_F32V] * len(flat))}")
+            b.line("}")
+            flat = [f"{pv}#{i}" for i in range(len(flat))]
+        b.line("scf.yield " + ", ".join(new_m + new_l + flat) + " : " + ", ".join(t for *_, t in carried))
     b.line("}")
 
     b.comment("write the item's rows: out = acc / l, lse = m + log(l); a row that kept no key is 0 and -inf")
     one_f = b.value("arith.constant 1.0 : f32", "one")
     for r, row in enumerate(rows):
-        m, l_sum = f"{state}#{r}", f"{state}#{ROWS + r}"
+        m, l_sum = f"{state}#{r}", f"{state}#{n_rows + r}"
         live = b.value(f"arith.cmpf ogt, {l_sum}, {zero_f} : f32", "live")
         inv = b.value(f"arith.divf {one_f}, " + b.value(f"arith.select {live}, {l_sum}, {one_f} : f32") + " : f32")
         inv_v = b.value(f"vector.broadcast {inv} : f32 to {_F32V}")
@@ -271,7 +316,7 @@ def _emit_item(b: TextBuilder, spec: AttentionSpec, aux: AuxValues, d: int, keys
         with b.region():
             tile = b.value(f"tensor.empty() : tensor<1x1x{d}xf32>", "orow")
             for jj in range(chunks):
-                val = b.value(f"arith.mulf {state}#{2 * ROWS + r * chunks + jj}, {inv_v} : {_F32V}", "o")
+                val = b.value(f"arith.mulf {state}#{2 * n_rows + r * chunks + jj}, {inv_v} : {_F32V}", "o")
                 col = b.value(f"arith.constant {jj * LANES} : index", "c")
                 tile = b.value(f"vector.transfer_write {val}, {tile}[{c[0]}, {c[0]}, {col}] {{in_bounds = [true]}} "
                                f": {_F32V}, tensor<1x1x{d}xf32>", "orow")
@@ -315,6 +360,7 @@ class _KeyReader:
         """Item-invariant values, emitted before the tile loop."""
         b = self.b
         self.c, self.kv_head = c, field["kv_head"][1]
+        self.key_rows: dict[str, str] = {}  # packed row of each sub-tile's first key, by its key index value
         if self.layout == "tiles":
             self.kv_row0 = field["kv_row0"][1]
             self.lanes = b.value(f"arith.constant {LANES} : index", "c")
@@ -346,15 +392,16 @@ class _KeyReader:
                        + b.value(f"arith.remui {key}, {self.block} : index") + " : index", "row")
 
     def scores(self, j: str, rows: list[dict], zero_v: str, d_end: str) -> list[str]:
-        """The ``ROWS`` score vectors (16 keys each, unscaled) of the tile whose first key index is ``j``."""
+        """The score vectors (16 keys each, unscaled) of every row for the 16 keys from key index ``j``."""
         b, c = self.b, self.c
+        n = len(rows)
         acc = b.fresh("s")
         if self.layout == "tiles":
-            self.key_row = b.value(f"arith.addi {self.kv_row0}, {j} : index", "krow")
-            key_tile = b.value(f"arith.divui {self.key_row}, {self.lanes} : index", "ktile")
-            b.comment(f"scores of the tile: {ROWS} rows x {LANES} keys, outer products over the head dim")
-            b.line(f"{acc}:{ROWS} = scf.for %d = {c[0]} to {d_end} step {c[1]} iter_args("
-                   + ", ".join(f"%s{r} = {zero_v}" for r in range(ROWS)) + ") -> (" + ", ".join([_F32V] * ROWS)
+            key_row = self.key_rows[j] = b.value(f"arith.addi {self.kv_row0}, {j} : index", "krow")
+            key_tile = b.value(f"arith.divui {key_row}, {self.lanes} : index", "ktile")
+            b.comment(f"scores of the tile: {n} rows x {LANES} keys, outer products over the head dim")
+            b.line(f"{acc}:{n} = scf.for %d = {c[0]} to {d_end} step {c[1]} iter_args("
+                   + ", ".join(f"%s{r} = {zero_v}" for r in range(n)) + ") -> (" + ", ".join([_F32V] * n)
                    + ") {")
             with b.region():
                 k_vec = b.value(f"vector.transfer_read %ktT[{self.kv_head}, {key_tile}, %d, {c[0]}], "
@@ -365,32 +412,32 @@ class _KeyReader:
                                   f"tensor<?x?x{self.d}xf32>", "q")
                     q_v = b.value(f"vector.broadcast {q_s} : f32 to {_F32V}", "qv")
                     sums.append(b.value(f"vector.fma {q_v}, {k_vec}, %s{r} : {_F32V}", "s"))
-                b.line(f"scf.yield {', '.join(sums)} : {', '.join([_F32V] * ROWS)}")
+                b.line(f"scf.yield {', '.join(sums)} : {', '.join([_F32V] * n)}")
             b.line("}")
-            return [f"{acc}#{r}" for r in range(ROWS)]
-        b.comment(f"scores of the tile: {ROWS} rows x {LANES} keys, one dot product per key and row")
-        b.line(f"{acc}:{ROWS} = scf.for %kn = {c[0]} to " + b.value(f"arith.constant {LANES} : index", "c")
-               + f" step {c[1]} iter_args(" + ", ".join(f"%s{r} = {zero_v}" for r in range(ROWS)) + ") -> ("
-               + ", ".join([_F32V] * ROWS) + ") {")
+            return [f"{acc}#{r}" for r in range(n)]
+        b.comment(f"scores of the tile: {n} rows x {LANES} keys, one dot product per key and row")
+        b.line(f"{acc}:{n} = scf.for %kn = {c[0]} to " + b.value(f"arith.constant {LANES} : index", "c")
+               + f" step {c[1]} iter_args(" + ", ".join(f"%s{r} = {zero_v}" for r in range(n)) + ") -> ("
+               + ", ".join([_F32V] * n) + ") {")
         with b.region():
             row = self._key_row(b.value(f"arith.addi {j}, %kn : index", "key"))
             k = [self.read_row("%ktT", row, b.value(f"arith.constant {jj * LANES} : index", "c"), jj)
                  for jj in range(self.chunks)]
             updated = []
-            for r in range(ROWS):
+            for r in range(n):
                 dot = b.value(f"arith.mulf {self.q[r][0]}, {k[0]} : {_F32V}", "dot")
                 for jj in range(1, self.chunks):
                     dot = b.value(f"vector.fma {self.q[r][jj]}, {k[jj]}, {dot} : {_F32V}", "dot")
                 total = b.value(f"vector.reduction <add>, {dot} : {_F32V} into f32", "dot")
                 updated.append(b.value(f"vector.insert {total}, %s{r} [%kn] : f32 into {_F32V}", "s"))
-            b.line(f"scf.yield {', '.join(updated)} : {', '.join([_F32V] * ROWS)}")
+            b.line(f"scf.yield {', '.join(updated)} : {', '.join([_F32V] * n)}")
         b.line("}")
-        return [f"{acc}#{r}" for r in range(ROWS)]
+        return [f"{acc}#{r}" for r in range(n)]
 
     def value_row(self, j: str, n: str) -> str:
         """The row of ``v`` holding key ``j + n`` (inside the tile loop, after :meth:`scores`)."""
         if self.layout == "tiles":
-            return self.b.value(f"arith.addi {self.key_row}, {n} : index")
+            return self.b.value(f"arith.addi {self.key_rows[j]}, {n} : index")
         return self._key_row(self.b.value(f"arith.addi {j}, {n} : index", "key"))
 
     def read_row(self, tensor: str, row: str, col: str, chunk: int) -> str:

@@ -40,6 +40,7 @@ from xdsl.dialects import arith, builtin, func
 from xdsl.dialects.builtin import (
     DYNAMIC_INDEX,
     BFloat16Type,
+    DenseArrayBase,
     Float16Type,
     Float32Type,
     FloatAttr,
@@ -69,6 +70,7 @@ from xdsl.utils.exceptions import VerifyException
 
 if TYPE_CHECKING:
     from tessera.attention import AttentionSpec
+    from tessera.mlir.schedule import TileSchedule
 
 #: mask kinds of ``tessera.attention`` and the int parameter each needs (None: none)
 MASK_KINDS: dict[str, str | None] = {
@@ -411,6 +413,12 @@ class AttentionOp(IRDLOperation):
     (:data:`MASK_KINDS`, with ``window`` / ``chunk_size`` / ``prefix_len`` where the kind needs one), ``score``
     (:data:`SCORE_KINDS`, with ``softcap``), ``has_sinks`` (unit), and ``kv_layout`` (:data:`KV_LAYOUTS`: how the
     kernel reads keys and values; set by ``attention-layout``, absent until then).
+
+    The block-sparse schedule (set by ``block-sparse-schedule``, absent until then; all three or none):
+    ``schedule_shape`` ``array<i64: q_len, kv_len, q_tile, kv_tile>``, ``schedule_row_ptr`` (one offset per q tile,
+    plus one) and ``schedule_kv`` (the first key of every kept kv tile, q tile by q tile): q tile ``i`` visits the
+    kv tiles ``schedule_kv[schedule_row_ptr[i] : schedule_row_ptr[i + 1]]``
+    (:class:`~tessera.mlir.schedule.TileSchedule`).
     """
 
     name = "tessera.attention"
@@ -430,6 +438,9 @@ class AttentionOp(IRDLOperation):
     softcap = opt_prop_def(FloatAttr)
     has_sinks = opt_prop_def(UnitAttr)
     kv_layout = opt_prop_def(StringAttr)
+    schedule_shape = opt_prop_def(DenseArrayBase)
+    schedule_row_ptr = opt_prop_def(DenseArrayBase)
+    schedule_kv = opt_prop_def(DenseArrayBase)
     traits = traits_def(Pure())
     irdl_options = _OPTIONS
     assembly_format = _fmt(("q", "k", "v"), ("out",))
@@ -457,6 +468,24 @@ class AttentionOp(IRDLOperation):
         layout = _str(self.kv_layout)
         if layout is not None and layout not in KV_LAYOUTS:
             c.fail(f"kv_layout must be one of {list(KV_LAYOUTS)}, got {layout!r}")
+        self._verify_schedule(c, q, k)
+
+    def _verify_schedule(self, c: _Check, q: Dims, k: Dims) -> None:
+        parts = (self.schedule_shape, self.schedule_row_ptr, self.schedule_kv)
+        if all(p is None for p in parts):
+            return
+        if any(p is None for p in parts):
+            c.fail("schedule_shape, schedule_row_ptr and schedule_kv come together (block-sparse-schedule sets all "
+                   "three); got only some")
+        shape = self.schedule_shape.get_values()  # type: ignore[union-attr]
+        if len(shape) != 4:
+            c.fail(f"schedule_shape must be [q_len, kv_len, q_tile, kv_tile], got {list(shape)}")
+        c.dim("q", q, 0, shape[0], "schedule_shape's q_len")
+        c.dim("k", k, 0, shape[1], "schedule_shape's kv_len")
+        try:
+            attention_schedule(self)
+        except ValueError as err:
+            c.fail(str(err))
 
     def _verify_kinds(self, c: _Check) -> None:
         mask, score = _str(self.mask), _str(self.score)
@@ -784,3 +813,23 @@ def attention_spec(op: AttentionOp, num_tokens: int = 1, placeholders: bool = Fa
     return AttentionSpec(hq, op.num_kv_heads.value.data, op.head_dim.value.data, mask=mask, score=score,
                          sinks=torch.zeros(hq) if op.has_sinks is not None else None,
                          scale=float(op.scale.value.data))
+
+
+def attention_schedule(op: AttentionOp) -> TileSchedule | None:
+    """The :class:`~tessera.mlir.schedule.TileSchedule` a ``block-sparse-schedule`` pass attached to ``op``, or
+    None; ValueError when the attributes do not describe a valid schedule."""
+    from tessera.mlir.schedule import TileSchedule
+
+    if op.schedule_shape is None or op.schedule_row_ptr is None or op.schedule_kv is None:
+        return None
+    q_len, kv_len, q_tile, kv_tile = op.schedule_shape.get_values()
+    return TileSchedule(int(q_len), int(kv_len), int(q_tile), int(kv_tile), list(op.schedule_row_ptr.get_values()),
+                        list(op.schedule_kv.get_values()))
+
+
+def set_attention_schedule(op: AttentionOp, schedule: TileSchedule) -> None:
+    """Attach ``schedule`` to ``op`` (the attributes :func:`attention_schedule` reads back)."""
+    op.properties["schedule_shape"] = DenseArrayBase.from_list(
+        i64, [schedule.q_len, schedule.kv_len, schedule.q_tile, schedule.kv_tile])
+    op.properties["schedule_row_ptr"] = DenseArrayBase.from_list(i64, schedule.row_ptr.tolist())
+    op.properties["schedule_kv"] = DenseArrayBase.from_list(i64, schedule.kv_starts.tolist())

@@ -92,9 +92,12 @@ def dump(config: Any, layer: int = 0, tokens: int = 16, passes: str = "all", out
 
 def attention_kernel_text(module: Any, tokens: int = 16) -> str:
     """A header line and the :func:`~tessera.mlir.attention_kernel.lower_attention` text of the module's (first)
-    ``tessera.attention``, its spec rebuilt from the op's attributes."""
-    from tessera.mlir.attention_kernel import lower_attention
-    from tessera.mlir.dialect import AttentionOp, attention_spec
+    ``tessera.attention``, its spec rebuilt from the op's attributes; rows per item from the
+    ``mlir_attention_rows`` tunable, keys per tile from the op's block-sparse schedule (else the tunable)."""
+    from tessera.backends.mlir import tunables  # noqa: F401  (registers the tunables read here)
+    from tessera.mlir.attention_kernel import KV_TILE, ROWS, lower_attention
+    from tessera.mlir.dialect import AttentionOp, attention_schedule, attention_spec
+    from tessera.tuning import tuned
 
     op = next((o for o in module.walk() if isinstance(o, AttentionOp)), None)
     if op is None:
@@ -103,6 +106,9 @@ def attention_kernel_text(module: Any, tokens: int = 16) -> str:
     layout = op.kv_layout.data if op.kv_layout is not None else None
     key_layout = KEY_LAYOUT[layout]
     element = str(op.k.type.element_type) if key_layout == "tokens" else "f32"
-    kernel = lower_attention(spec, key_layout=key_layout, kv_element=element)
+    schedule = attention_schedule(op)
+    kv_tile = schedule.kv_tile if schedule is not None else tuned("mlir_attention_kv_tile", None, KV_TILE)
+    kernel = lower_attention(spec, key_layout=key_layout, kv_element=element,
+                             rows=tuned("mlir_attention_rows", None, ROWS), kv_tile=kv_tile)
     return (f"// ---- lowered attention kernel: {spec!r}, key layout {key_layout!r} (kv_layout {layout!r}), "
             f"kv element {element}, padded head dim {kernel.head_dim_padded}\n{kernel.text}")

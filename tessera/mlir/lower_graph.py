@@ -8,10 +8,13 @@ modules with dynamic dims; ``attention_kernel``: the FlashAttention dispatch), i
   add); IREE's dispatch formation then fuses the elementwise parts into their producers where it can;
 - ``split_qkv`` and ``merge_heads`` are ``tensor.extract_slice`` + ``tensor.expand_shape`` / ``tensor.collapse_shape``;
 - RoPE's cos/sin come from the positions inside the module (``theta ** (-2i / rotary_dim)``, the default rope type);
-- attention's plan (one causal sequence of ``T`` tokens) is host-built once at lowering time and embedded as
-  constants; keys are read in the ``tokens`` layout (the op's operands are already ``[T, Hkv, D]``).
+- attention's plan (one sequence of ``T`` tokens) is host-built once at lowering time and embedded as constants;
+  its work items visit the kv tiles of the op's block-sparse schedule (``block-sparse-schedule``), or, without
+  one, of the mask's classification at ``T``. Keys are read in the ``tokens`` layout (the op's operands are
+  already ``[T, Hkv, D]``).
 
-The captured function must have a static token count and float32 tensors.
+The captured function must have a static token count and float32 tensors; ``qmatmul`` also takes int8 weights with
+f32 or f16 scales (de-quantized by a ``linalg.generic`` in front of the float matmul; int4 is not lowered yet).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class LoweredGraph:
     arg_names: tuple[str, ...]
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Call the module with ``inputs`` by argument name (float32 tensors; positions int64)."""
+        """Call the module with ``inputs`` by argument name (float32 tensors; positions int64; packed weights int8)."""
         from tessera.mlir.iree_compile import as_device, load_function
 
         missing = [n for n in self.arg_names if n not in inputs]
@@ -92,9 +95,37 @@ class _Lowering:
                           (self.f32(eps), "f32", "f32"), (self.f32(0.0), "f32", "f32")], _DYN2, x_type)
 
     def matmul(self, x: str, x_type: str, w, out_type: str) -> str:
+        return self.matmul_of(x, x_type, self.name(w), self.types[id(w)], out_type)
+
+    def matmul_of(self, x: str, x_type: str, w: str, w_type: str, out_type: str) -> str:
         return self.call("matmul", op_kernels.matmul(False),
-                         [(x, x_type, _DYN2), (self.name(w), self.types[id(w)], _DYN2),
-                          (self.f32(1.0), "f32", "f32")], _DYN2, out_type)
+                         [(x, x_type, _DYN2), (w, w_type, _DYN2), (self.f32(1.0), "f32", "f32")], _DYN2, out_type)
+
+    def qmatmul(self, op, out_type: str) -> str:
+        """``x @ dequant(w).T``: an int8 weight de-quantized by a ``linalg.generic`` (``w * scales[n, k // group]``)
+        feeding the float matmul, which IREE's dispatch formation may fuse."""
+        fmt, group = _attr(op, "format"), _attr(op, "group_size")
+        if fmt != "int8":
+            raise NotImplementedError(f"lower_graph: tessera.qmatmul format {fmt!r} has no lowering yet (int8 does)")
+        w, scales = op.operands[1], op.operands[2]
+        w_type, s_type = self.types[id(w)], self.types[id(scales)]
+        n, k = (int(v) for v in w_type.split("<")[1].split("x")[:2])
+        scale_el = s_type.rsplit("x", 1)[1].rstrip(">")
+        deq_t = f"tensor<{n}x{k}xf32>"
+        empty = self.b.value(f"tensor.empty() : {deq_t}")
+        widen = "" if scale_el == "f32" else f"\n      %sc = arith.extf %s : {scale_el} to f32"
+        scale = "%s" if scale_el == "f32" else "%sc"
+        deq = self.b.value(
+            f"linalg.generic {{indexing_maps = [affine_map<(n, k) -> (n, k)>, affine_map<(n, k) -> (n, k floordiv "
+            f"{group})>, affine_map<(n, k) -> (n, k)>], iterator_types = [\"parallel\", \"parallel\"]}} "
+            f"ins({self.name(w)}, {self.name(scales)} : {w_type}, {s_type}) outs({empty} : {deq_t}) {{\n"
+            f"    ^bb0(%q: i8, %s: {scale_el}, %unused: f32):{widen}\n"
+            f"      %f = arith.sitofp %q : i8 to f32\n"
+            f"      %r = arith.mulf %f, {scale} : f32\n"
+            f"      linalg.yield %r : f32\n"
+            f"    }} -> {deq_t}", "deq")
+        x = op.operands[0]
+        return self.matmul_of(self.name(x), self.types[id(x)], deq, deq_t, out_type)
 
     def add(self, a: str, b: str, type_text: str) -> str:
         return self.b.value(f"arith.addf {a}, {b} : {type_text}", "sum")
@@ -145,14 +176,20 @@ class _Lowering:
         from tessera.backends.base import KVLayout, RaggedBatch
         from tessera.backends.mlir.planner import build_plan
         from tessera.mlir.attention_kernel import lower_attention
-        from tessera.mlir.dialect import attention_spec
+        from tessera.mlir.dialect import attention_schedule, attention_spec
 
         spec = attention_spec(op, placeholders=False)
         if spec.head_dim % 16:
             raise NotImplementedError(f"lower_graph: head_dim {spec.head_dim} is not a multiple of 16")
-        kernel = lower_attention(spec, "tokens", "f32", entry="attention")
         batch = RaggedBatch((tokens,), (tokens,))
-        plan = build_plan(spec, batch, KVLayout.contiguous(batch), key_layout="tokens")
+        schedule = attention_schedule(op)
+        if schedule is not None and (schedule.q_len, schedule.kv_len) != (tokens, tokens):
+            raise ValueError(f"lower_graph: the attention's block-sparse schedule is for q_len={schedule.q_len}, "
+                             f"kv_len={schedule.kv_len}, but the layer runs {tokens} tokens; rerun "
+                             "block-sparse-schedule on this module")
+        plan = build_plan(spec, batch, KVLayout.contiguous(batch), key_layout="tokens",
+                          schedules=None if schedule is None else [schedule])
+        kernel = lower_attention(spec, "tokens", "f32", entry="attention", rows=plan.rows, kv_tile=plan.kv_tile)
         self.helpers["attention"] = kernel.text
         hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
         q_t, kv_t = f"tensor<{tokens}x{hq}x{d}xf32>", f"tensor<{tokens}x{hkv}x{d}xf32>"
@@ -190,9 +227,13 @@ def lower_graph(module) -> LoweredGraph:
     args = []
     for i, arg in enumerate(fn.body.block.args):
         type_text = str(arg.type)
-        if "?" in type_text or ("f32" not in type_text and "i64" not in type_text):
+        element = type_text.rsplit("x", 1)[-1].rstrip(">")
+        packed = element in ("i8", "f16") and all(use.operation.name == "tessera.qmatmul" and use.index > 0
+                                                    for use in arg.uses)  # a weight or its scales
+        if "?" in type_text or not (element in ("f32", "i64") or packed):
             raise NotImplementedError(f"lower_graph: argument {arg.name_hint} has type {type_text}; only static "
-                                      "float32 tensors (and i64 positions) are lowered")
+                                      "float32 tensors (and i64 positions, int8 packed weights with f32/f16 "
+                                      "scales) are lowered")
         name = f"%arg{i}"
         low.bind(arg, name, type_text)
         args.append((arg.name_hint or f"arg{i}", name, type_text))
@@ -211,6 +252,8 @@ def lower_graph(module) -> LoweredGraph:
         elif kind in ("tessera.matmul", "tessera.norm_matmul", "tessera.matmul_residual", "tessera.matmul_silu_mul",
                       "tessera.matmul_rope"):
             value = _lower_matmul_family(low, op, kind, operands, out_types)
+        elif kind == "tessera.qmatmul":
+            value = low.qmatmul(op, out_types[0])
         elif kind == "tessera.residual_add":
             value = low.add(low.name(operands[0]), low.name(operands[1]), out_types[0])
         elif kind == "tessera.silu_and_mul":

@@ -13,13 +13,18 @@ pass                   rewrite
                        positions and attributes) -> ``matmul_rope`` (v passes through)
 ``attention-layout``   sets ``kv_layout`` on every ``tessera.attention``: ``kv=token`` (keys read in place,
                        token-major ``[S, Hkv, D]``) or ``kv=head`` (packed head-major tiles)
+``block-sparse-        annotates every ``tessera.attention`` with the kv tiles each q tile visits (``schedule_*``
+schedule``             attributes), from the mask's analytic classification at a static query and kv length;
+                       lowering visits only those tiles
 =====================  ======================================================================================
 
 Each fusion accepts both a plain and a norm-prologue producer, so the fusions commute: :data:`DEFAULT_PIPELINE` and
 any reordering of its fusions give the same IR. Every pass verifies the module after rewriting.
+``block-sparse-schedule`` runs last: it annotates the ops whose lengths are static (or given as options).
 
 >>> module = pipeline(capture_layer(config, 0, 16))                     # doctest: +SKIP
 >>> module = pipeline(module, "fuse-rope,attention-layout{kv=head}")    # doctest: +SKIP
+>>> module = pipeline(module, "block-sparse-schedule{kv_tile=32}")       # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -223,11 +228,71 @@ class AttentionLayout(ModulePass):
         op.verify()
 
 
+@dataclass(frozen=True)
+class BlockSparseSchedule(ModulePass):
+    """Attach to every ``tessera.attention`` the kv tiles each q tile visits (its block-sparse schedule).
+
+    The queries are the last ``q_len`` of ``kv_len`` positions (``q_len``/``kv_len`` 0: the op's static q and k
+    token counts; an op whose count is dynamic and not given is left without a schedule, and its lowering classifies
+    at the length it is lowered for). Queries are cut into tiles of ``q_tile`` positions and keys into
+    tiles of ``kv_tile`` (0: the ``mlir_attention_kv_tile`` tunable); the mask's analytic classification
+    (:func:`~tessera.mlir.schedule.tile_schedule`, the one the planner uses) drops the EMPTY pairs. Masks whose
+    values are only known at run time (document ids) and custom masks keep every tile. The lowering
+    (:mod:`tessera.mlir.lower_graph`) builds its work items from the annotation.
+    """
+
+    name = "block-sparse-schedule"
+    q_len: int = 0
+    kv_len: int = 0
+    q_tile: int = 16
+    kv_tile: int = 0
+
+    def __post_init__(self) -> None:
+        from tessera.mlir.attention_kernel import KV_TILE_CHOICES
+
+        for what, value, lowest in (("q_len", self.q_len, 0), ("kv_len", self.kv_len, 0), ("q_tile", self.q_tile, 1)):
+            if not isinstance(value, int) or value < lowest:
+                raise ValueError(f"block-sparse-schedule: {what} must be an int >= {lowest}, got {value!r}")
+        if self.kv_tile != 0 and self.kv_tile not in KV_TILE_CHOICES:
+            raise ValueError(f"block-sparse-schedule: kv_tile must be 0 (the tuned value) or one of "
+                             f"{list(KV_TILE_CHOICES)}, got {self.kv_tile!r}; e.g. block-sparse-schedule{{kv_tile=32}}")
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        for inner in op.walk():
+            if isinstance(inner, td.AttentionOp):
+                schedule = self.schedule_of(inner)
+                if schedule is not None:
+                    td.set_attention_schedule(inner, schedule)
+        op.verify()
+
+    def schedule_of(self, op: td.AttentionOp):
+        """The :class:`~tessera.mlir.schedule.TileSchedule` of one attention op (None: a length is unknown)."""
+        from tessera.backends.mlir import tunables  # noqa: F401  (registers mlir_attention_kv_tile)
+        from tessera.mlir.attention_kernel import KV_TILE
+        from tessera.mlir.schedule import dense_schedule, tile_schedule
+        from tessera.tuning import tuned
+
+        q_len = self._length("q_len", self.q_len, td.dims(op.q)[0])
+        kv_len = self._length("kv_len", self.kv_len, td.dims(op.k)[0])
+        if q_len is None or kv_len is None:
+            return None
+        kv_tile = self.kv_tile or tuned("mlir_attention_kv_tile", None, KV_TILE)
+        if op.mask.data in ("custom", "document"):  # the function or the ids are not in the IR
+            return dense_schedule(q_len, kv_len, self.q_tile, kv_tile)
+        spec = td.attention_spec(op, placeholders=True)
+        return tile_schedule(spec.mask, 0, q_len, kv_len, self.q_tile, kv_tile)
+
+    def _length(self, what: str, given: int, static: int | None) -> int | None:
+        if given and static is not None and given != static:
+            raise ValueError(f"block-sparse-schedule: {what}={given} but the op's tensor has {static} tokens")
+        return given or static
+
+
 #: pass name -> class (the names ``pipeline`` and ``tessera mlir dump --passes`` accept)
 PASSES: dict[str, type[ModulePass]] = {p.name: p for p in (FuseNormMatmul, FuseGatedMlp, FuseResidual, FuseRope,
-                                                           AttentionLayout)}
+                                                           AttentionLayout, BlockSparseSchedule)}
 #: what ``"all"`` runs, in order
-DEFAULT_PIPELINE = "fuse-norm-matmul,fuse-gated-mlp,fuse-residual,fuse-rope,attention-layout"
+DEFAULT_PIPELINE = "fuse-norm-matmul,fuse-gated-mlp,fuse-residual,fuse-rope,attention-layout,block-sparse-schedule"
 
 Callback = Callable[[ModulePass, ModuleOp], None]
 
@@ -261,5 +326,5 @@ def pipeline(module: ModuleOp, passes: str | Sequence[str] | None = "all",
     return module
 
 
-__all__ = ["PASSES", "DEFAULT_PIPELINE", "AttentionLayout", "FuseGatedMlp", "FuseNormMatmul", "FuseResidual",
-           "FuseRope", "parse_passes", "pipeline"]
+__all__ = ["PASSES", "DEFAULT_PIPELINE", "AttentionLayout", "BlockSparseSchedule", "FuseGatedMlp", "FuseNormMatmul",
+           "FuseResidual", "FuseRope", "parse_passes", "pipeline"]

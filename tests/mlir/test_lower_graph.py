@@ -56,3 +56,47 @@ def test_what_is_not_lowered_is_named():
         lower_graph(capture_model(tiny_config(), 8))
     with pytest.raises(NotImplementedError, match="only static float32"):
         lower_graph(capture_layer(tiny_config(), 0, None))
+
+
+@pytest.mark.parametrize("scale_type", ["f32", "f16"])
+def test_int8_qmatmul_lowers_to_dequant_and_matmul(scale_type):
+    """``tessera.qmatmul`` with int8 weights: a de-quantizing linalg.generic in front of the float matmul."""
+    from xdsl.dialects.builtin import Float16Type, Float32Type, IntegerType
+
+    from tessera.mlir import dialect as td
+    from tessera.mlir.lower_graph import lower_graph
+    from tests.mlir.helpers import build, module_of
+
+    t, k, n, group = 5, 64, 24, 32
+    el = Float32Type() if scale_type == "f32" else Float16Type()
+    module = module_of([td.tensor([t, k], Float32Type()), td.tensor([n, k], IntegerType(8)),
+                        td.tensor([n, k // group], el)],
+                       lambda b, a: b.insert(build(td.QMatmulOp, a, [td.tensor([t, n], Float32Type())],
+                                                   format="int8", group_size=group)).out)
+    module.verify()
+    graph = lower_graph(module)
+    assert "arith.sitofp %q : i8 to f32" in graph.text and "(n, k floordiv 32)" in graph.text
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(t, k, generator=gen)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) / 64).to(torch.float32 if scale_type == "f32" else torch.float16)
+    out = graph.run(dict(zip(graph.arg_names, (x, w, scales))))
+    ref = x.double() @ (w.double() * scales.double().repeat_interleave(group, 1)).T
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, f"relative error {err:.3g}"
+
+
+def test_qmatmul_formats_without_a_lowering_are_named():
+    from xdsl.dialects.builtin import Float32Type, IntegerType
+
+    from tessera.mlir import dialect as td
+    from tessera.mlir.lower_graph import lower_graph
+    from tests.mlir.helpers import build, module_of
+
+    module = module_of([td.tensor([2, 64], Float32Type()), td.tensor([8, 32], IntegerType(8)),
+                        td.tensor([8, 2], Float32Type())],
+                       lambda b, a: b.insert(build(td.QMatmulOp, a, [td.tensor([2, 8], Float32Type())],
+                                                   format="int4", group_size=32)).out)
+    module.verify()
+    with pytest.raises(NotImplementedError, match="qmatmul format 'int4' has no lowering yet"):
+        lower_graph(module)

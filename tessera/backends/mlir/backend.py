@@ -26,6 +26,8 @@ class MlirBackend:
     #: under the cpu backend: ``backend="auto"`` picks it only when asked by name
     priority = 5
     fused_epilogue = False
+    #: registers the kernel's tiling and key-layout tunables (``tessera tune``)
+    tunables_module = "tessera.backends.mlir.tunables"
 
     def available(self) -> list[str]:
         from tessera.mlir.iree_compile import missing
@@ -59,7 +61,7 @@ class MlirBackend:
         if plan.items.shape[0] == 0:
             return  # no query rows: out stays 0 and lse -inf, as the caller allocated them
         element = _ELEMENTS[k_rows.dtype] if plan.key_layout == "tokens" else "f32"
-        kernel = kernel_for(plan.spec, plan.key_layout, element)
+        kernel = kernel_for(plan.spec, plan.key_layout, element, plan.rows, plan.kv_tile)
         fn = load_function(kernel.text, kernel.entry)
         d, dp = plan.spec.head_dim, kernel.head_dim_padded
         qf = _pad_dim(q.float(), dp)
@@ -117,30 +119,36 @@ _LOCK = threading.Lock()
 _ELEMENTS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def kernel_for(spec: AttentionSpec, key_layout: str = "tiles", element: str = "f32"):
-    """The lowered kernel of ``spec`` (:class:`~tessera.mlir.attention_kernel.AttentionKernel`) for a key layout and
-    storage element type: shared by specs of equal structure, else cached per spec object (specs holding tensors or
-    user functions)."""
+def kernel_for(spec: AttentionSpec, key_layout: str = "tiles", element: str = "f32", rows: int | None = None,
+               kv_tile: int | None = None):
+    """The lowered kernel of ``spec`` (:class:`~tessera.mlir.attention_kernel.AttentionKernel`) for a key layout,
+    storage element type, query rows per item and keys per kv tile (None: the kernel's defaults; a plan passes its
+    own): shared by specs of equal structure, else cached per spec object (specs holding tensors or user
+    functions)."""
+    from tessera.mlir.attention_kernel import KV_TILE, ROWS
+
+    rows = ROWS if rows is None else rows
+    kv_tile = KV_TILE if kv_tile is None else kv_tile
     key = spec.structure_key()
     if key is None:
-        return _kernel_by_object(spec, key_layout, element)
-    key = (key, key_layout, element)
+        return _kernel_by_object(spec, key_layout, element, rows, kv_tile)
+    key = (key, key_layout, element, rows, kv_tile)
     with _LOCK:
         kernel = _BY_STRUCTURE.get(key)
     if kernel is None:
         from tessera.mlir.attention_kernel import lower_attention
 
-        kernel = lower_attention(spec, key_layout, element)
+        kernel = lower_attention(spec, key_layout, element, rows=rows, kv_tile=kv_tile)
         with _LOCK:
             _BY_STRUCTURE.setdefault(key, kernel)
     return kernel
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_by_object(spec: AttentionSpec, key_layout: str, element: str):
+def _kernel_by_object(spec: AttentionSpec, key_layout: str, element: str, rows: int, kv_tile: int):
     from tessera.mlir.attention_kernel import lower_attention
 
-    return lower_attention(spec, key_layout, element)
+    return lower_attention(spec, key_layout, element, rows=rows, kv_tile=kv_tile)
 
 
 def _translation_error(spec: AttentionSpec) -> str:
