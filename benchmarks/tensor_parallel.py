@@ -5,7 +5,9 @@ measured gloo all-reduce cost (loopback), in one run.
 
 Throughput is generated tokens per second of one ``generate`` over ``--prompts`` prompts (greedy, ``ignore_eos``),
 after one warm-up run of the same workload. TP=1 is measured twice: with the cpu backend's fused decode layers (what
-a single process runs) and on the per-op path (what each TP rank runs, since the all-reduces sit between ops).
+a single process runs) and on the per-op path (what each TP rank runs, since the all-reduces sit between ops). TP=2
+is measured twice too: greedy tokens picked across ranks from each rank's best logit (what the engine does for
+greedy requests), and with the whole vocabulary's logits gathered to every rank (what sampling requests need).
 """
 
 from __future__ import annotations
@@ -113,18 +115,21 @@ def main() -> None:
         return inner(*a, **k)
 
     tp2.runner.forward_step = counted
-    tp2.generate(prompts, params)  # warm-up
     comm = tp2.tensor_parallel.comm
-    comm.comm_seconds, comm.num_all_reduce, steps[0] = 0.0, 0, 0
-    start = time.perf_counter()
-    out = tp2.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    result["tp2_tok_s"] = sum(len(o.token_ids) for o in out) / seconds
-    result["tp2_steps"] = steps[0]
-    result["tp2_all_reduce_per_step"] = comm.num_all_reduce / steps[0]
-    result["tp2_comm_ms_per_step"] = 1e3 * comm.comm_seconds / steps[0]
-    result["tp2_step_ms"] = 1e3 * seconds / steps[0]
-    result["tp2_comm_share"] = comm.comm_seconds / seconds
+    for key, greedy_in_forward in (("tp2", True), ("tp2_gather", False)):
+        tp2.runner.greedy_in_forward = greedy_in_forward
+        tp2.generate(prompts, params)  # warm-up
+        comm.comm_seconds, comm.num_all_reduce, comm.num_all_gather, steps[0] = 0.0, 0, 0, 0
+        start = time.perf_counter()
+        out = tp2.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        result[f"{key}_tok_s"] = sum(len(o.token_ids) for o in out) / seconds
+        result[f"{key}_steps"] = steps[0]
+        result[f"{key}_all_reduce_per_step"] = comm.num_all_reduce / steps[0]
+        result[f"{key}_logits_all_gather_per_step"] = comm.num_all_gather / steps[0]
+        result[f"{key}_comm_ms_per_step"] = 1e3 * comm.comm_seconds / steps[0]
+        result[f"{key}_step_ms"] = 1e3 * seconds / steps[0]
+        result[f"{key}_comm_share"] = comm.comm_seconds / seconds
     tp2.shutdown()
 
     times = measure_loopback()

@@ -37,6 +37,9 @@ class Communicator:
         #: seconds spent in all-reduce / all-gather since the last reset (the benchmark's per-step cost)
         self.comm_seconds = 0.0
         self.num_all_reduce = 0
+        #: logits all-gathers (:meth:`all_gather_cols`) and greedy picks (:meth:`argmax_across`) since the start
+        self.num_all_gather = 0
+        self.num_argmax = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over ranks (float32 on the wire, the result in ``t``'s dtype); returns the sum."""
@@ -58,6 +61,26 @@ class Communicator:
         dist.all_gather(pieces, t)
         out = torch.cat([p[..., :n] for p, n in zip(pieces, sizes)], dim=-1)
         self.comm_seconds += time.perf_counter() - start
+        self.num_all_gather += 1
+        return out
+
+    def argmax_across(self, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row from every rank's local best: ``values [T]`` (float32) are this rank's
+        largest logits and ``indices [T]`` (int64) their global vocabulary ids; returns ``[T]`` int64, the same on
+        every rank.
+
+        The largest value wins; among equal values the lowest rank's, which holds the lower vocabulary range, so
+        the result is the first maximal index of the whole row, as ``torch.argmax`` of the gathered logits.
+        Exchanges ``16 * T`` bytes per rank instead of the rows' logits.
+        """
+        start = time.perf_counter()
+        # one float64 message per rank: float32 values and ids below 2**53 are both exact in it
+        mine = torch.stack([values.to(torch.float64), indices.to(torch.float64)], dim=-1).contiguous()
+        pieces = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(pieces, mine)
+        out = first_best(torch.stack(pieces))
+        self.comm_seconds += time.perf_counter() - start
+        self.num_argmax += 1
         return out
 
     def broadcast_object(self, obj: object = None) -> object:
@@ -85,3 +108,11 @@ class Communicator:
             self.store.wait([key], self.idle_timeout)
         self.num_messages += 1
         return self.broadcast_object(obj)
+
+
+def first_best(candidates: torch.Tensor) -> torch.Tensor:
+    """``candidates [world, T, 2]`` float64, each rank's ``(best logit, its vocabulary id)`` per row, ranks in
+    vocabulary order -> ``[T]`` int64: the id of the largest logit, the lowest rank's among equal ones (so the
+    lowest id, as ``torch.argmax`` over the whole row)."""
+    best = candidates[..., 0].argmax(dim=0)  # torch.argmax returns the first maximal index: the lowest rank
+    return candidates[..., 1].gather(0, best[None])[0].to(torch.int64)

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from tessera.distributed.comm import Communicator, TensorParallelError
 from tessera.distributed.layers import bind
 from tessera.distributed.sharding import local_config, mlp_unit, plan_shards, shard_weights
-from tessera.distributed.worker import WorkerSpec, run_step, set_threads, step_message, worker_main
+from tessera.distributed.worker import JOINED_KEY, WorkerSpec, run_step, set_threads, step_message, worker_main
 from tessera.kv import PagedKVCache
 from tessera.models.model import Model
 from tessera.models.paged import StepBatch, new_cache
@@ -153,7 +153,8 @@ class TensorParallelEngine:
                     os.environ[k] = v
         try:
             wait = timedelta(seconds=self.timeout_s)
-            store = dist.TCPStore(host, port, world, is_master=True, timeout=wait)
+            store = dist.TCPStore(host, port, world, is_master=True, timeout=wait, wait_for_workers=False)
+            self._await_workers(store)
             dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=wait)
             self._ranks.group_up = True
             self._ranks.comm = self.comm = Communicator(0, world, store, IDLE_TIMEOUT_S)
@@ -169,18 +170,35 @@ class TensorParallelEngine:
         self.model = dataclasses.replace(model, config=local_config(config, shard0), weights=bound)
         self.cache = BroadcastCache(new_cache(self.model, num_pages, page_size, kv_cache_dtype))
 
+    def _await_workers(self, store: dist.TCPStore) -> None:
+        """Wait until every worker has reached the store; fail at once when one exits first (the store alone would
+        wait out the whole timeout for it)."""
+        keys = [f"{JOINED_KEY}/{p.name[len('tessera-tp-rank'):]}" for p in self._ranks.procs]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            if any(p.exitcode is not None for p in self._ranks.procs):
+                raise RuntimeError(
+                    "a worker exited before it joined (its traceback is on stderr). Each worker is a fresh process "
+                    "that imports the main module first (multiprocessing's spawn): a script that creates the LLM "
+                    "must do so under `if __name__ == \"__main__\":`")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not join within {self.timeout_s:g} s")
+            time.sleep(0.02)
+
     # ------------------------------------------------------------------------------------------- steps
     def forward_step(self, model: Model, cache: object, step: StepBatch, *, all_logits: bool = False,
-                     logit_rows: list[int] | None = None) -> torch.Tensor:
+                     logit_rows: list[int] | None = None, greedy: bool = False) -> torch.Tensor:
         """:func:`tessera.models.paged.forward_step` over every rank: the signature the runner calls (``model`` and
-        ``cache`` are rank 0's shard and handle). Any failure ends the engine with a :class:`TensorParallelError`."""
+        ``cache`` are rank 0's shard and handle). ``greedy=True`` returns each row's greedy token, which the ranks
+        agree on by exchanging their local best logit instead of gathering the vocabulary. Any failure ends the
+        engine with a :class:`TensorParallelError`."""
         if self._error is not None:
             raise self._error
         try:
             dead = [p for p in self._ranks.procs if not p.is_alive()]
             if dead:
                 raise RuntimeError("a worker is not running")
-            msg = step_message(step, self.cache.take_copies(), all_logits, logit_rows)
+            msg = step_message(step, self.cache.take_copies(), all_logits, logit_rows, greedy)
             self.comm.next_message(msg)
             return run_step(self.model, self.cache.local, msg)
         except Exception as exc:

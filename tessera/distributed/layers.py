@@ -63,6 +63,11 @@ class VocabParallelTable(ParallelTable):
         local = K.lm_head(h, self.table, softcap=softcap, backend=backend)
         return self.comm.all_gather_cols(local, [b - a for a, b in self.ranges])
 
+    def greedy_tokens(self, h: torch.Tensor, softcap: float | None, backend: str) -> torch.Tensor:
+        local = K.lm_head(h, self.table, softcap=softcap, backend=backend)
+        values, indices = local.max(dim=-1)  # the first maximal index within this rank's rows
+        return self.comm.argmax_across(values, indices + self.start)
+
     def to(self, device: str | torch.device) -> VocabParallelTable:
         return VocabParallelTable(self.table.to(device), self.start, self.ranges, self.comm)
 

@@ -20,6 +20,11 @@ from tessera.models.model import Model
 from tessera.models.paged import StepBatch, forward_step, new_cache
 
 
+#: store key prefix a worker sets (``.../<rank>``) once it reaches rank 0's store, so that rank 0 can tell a worker
+#: that is still starting from one that died on the way
+JOINED_KEY = "tessera/tp/joined"
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker needs besides its weights (picklable; sent once at spawn)."""
@@ -60,21 +65,25 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def step_message(batch: StepBatch, copies: list, all_logits: bool, logit_rows: list[int] | None) -> dict:
-    """What rank 0 broadcasts per step: the page copies first, then the batch (host tensors)."""
+def step_message(batch: StepBatch, copies: list, all_logits: bool, logit_rows: list[int] | None,
+                 greedy: bool = False) -> dict:
+    """What rank 0 broadcasts per step: the page copies first, then the batch (host tensors), and what the step
+    returns (``greedy``: tokens picked across ranks, else logits; every rank must run the same collectives)."""
     return {"op": "step", "copies": copies, "token_ids": batch.token_ids.cpu(), "q_lens": batch.q_lens,
             "kv_lens": batch.kv_lens, "page_table": batch.page_table, "slots": batch.slots.cpu(),
-            "all_logits": all_logits, "logit_rows": logit_rows}
+            "all_logits": all_logits, "logit_rows": logit_rows, "greedy": greedy}
 
 
 def run_step(model: Model, cache, msg: dict) -> torch.Tensor:
-    """Apply a step message to this rank's shard: page copies, then the forward (logits on every rank)."""
+    """Apply a step message to this rank's shard: page copies, then the forward (logits, or greedy tokens, on every
+    rank)."""
     cache.copy_pages(msg["copies"])
     device = cache.device
     batch = StepBatch(msg["token_ids"].to(device), msg["q_lens"], msg["kv_lens"], msg["page_table"],
                       msg["slots"].to(device))
     # the backend's fused whole-layer decode has no place for the all-reduces, so shards run the per-op path
-    return forward_step(model, cache, batch, all_logits=msg["all_logits"], logit_rows=msg["logit_rows"], fused=False)
+    return forward_step(model, cache, batch, all_logits=msg["all_logits"], logit_rows=msg["logit_rows"], fused=False,
+                        greedy=msg["greedy"])
 
 
 def worker_main(spec: WorkerSpec, weights: dict) -> None:
@@ -85,6 +94,7 @@ def worker_main(spec: WorkerSpec, weights: dict) -> None:
 
     store = dist.TCPStore(spec.host, spec.port, spec.world, is_master=False,
                           timeout=timedelta(seconds=spec.compute_timeout_s))
+    store.set(f"{JOINED_KEY}/{spec.rank}", b"1")
     dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world,
                             timeout=timedelta(seconds=spec.compute_timeout_s))
     try:

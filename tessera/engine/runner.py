@@ -29,6 +29,10 @@ class Runner:
         self.speculative = speculative
         # the forward of one step; a tensor-parallel engine puts its own here, which runs it on every rank
         self.forward_step = self._module_forward_step
+        #: pick the tokens of an all-greedy step inside the forward (``forward_step(..., greedy=True)``) rather than
+        #: from its logits: set by a tensor-parallel engine, whose ranks then exchange their best logit instead of
+        #: gathering the vocabulary. A single process gains nothing from it and keeps the sampler's path.
+        self.greedy_in_forward = False
         self.structured = StructuredDecoder(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
 
     @staticmethod
@@ -83,6 +87,9 @@ class Runner:
                         rows.append(first_row[r])
                         seqs.append(seq)
         masks = self.structured.begin(seqs)  # structured output: computed while the forward runs; None if unused
+        if self.greedy_in_forward and not drafted and masks is None and all(map(_argmax_only, seqs)):
+            tokens = self.forward_step(self.model, self.cache, batch, greedy=True).tolist()
+            return {s.seq_id: (tokens[row], 0.0, None) for row, s in zip(rows, seqs)}
         logits = self.forward_step(self.model, self.cache, batch, logit_rows=logit_rows if drafted else None)
         results: dict = {}
         for r, item in enumerate(out.scheduled):
@@ -119,6 +126,13 @@ class Runner:
         if not seq.params.logprobs:
             return [(t, 0.0, None) for t in tokens]
         return _token_logprobs(logits, tokens, [seq.params.top_logprobs] * len(tokens))
+
+
+def _argmax_only(seq) -> bool:
+    """Whether ``seq``'s next token is the plain argmax of the model's logits: greedy, and nothing that reads or
+    changes the logits first (penalties, logprobs; a grammar's mask is checked by the caller)."""
+    p = seq.params
+    return p.temperature == 0.0 and not p.has_penalties and not p.logprobs and not p.top_logprobs
 
 
 def _token_logprobs(logits: torch.Tensor, tokens: list[int], top_ns: list[int]

@@ -167,6 +167,15 @@ def output_logits(config: ModelConfig, w: Weights, h: torch.Tensor, backend: str
     return K.lm_head(h, head, softcap=config.final_softcap, backend=backend)
 
 
+def output_tokens(config: ModelConfig, w: Weights, h: torch.Tensor, backend: str) -> torch.Tensor:
+    """Greedy tokens ``[T]`` int64 of final-normed hidden states ``h [T, H]``: the first maximal index of
+    :func:`output_logits`' rows. A vocabulary-parallel table finds it without gathering the logits."""
+    head = w.get("lm_head", w["embed"])
+    if isinstance(head, ParallelTable):
+        return head.greedy_tokens(h, config.final_softcap, backend)
+    return K.argmax(K.lm_head(h, head, softcap=config.final_softcap, backend=backend), backend=backend)
+
+
 def weights_dtype(w: Weights) -> torch.dtype:
     """The model's float dtype: the token table's, or the final norm's when the table is packed."""
     embed = w["embed"]

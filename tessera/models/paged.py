@@ -16,7 +16,7 @@ import torch
 from tessera.attention import plan
 from tessera.kernels import registry
 from tessera.kv import PagedKVCache
-from tessera.models.layers import decoder, layer_spec, output_logits, rope_tables
+from tessera.models.layers import decoder, layer_spec, output_logits, output_tokens, rope_tables
 from tessera.models.model import Model
 
 
@@ -87,7 +87,7 @@ def fused_decode_op(model: Model) -> Callable | None:
 
 
 def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logits: bool = False,
-                 logit_rows: list[int] | None = None, fused: bool = True) -> torch.Tensor:
+                 logit_rows: list[int] | None = None, fused: bool = True, greedy: bool = False) -> torch.Tensor:
     """Run one step; return float32 logits of each sequence's last new token ``[num_seqs, vocab]``.
 
     With ``all_logits=True`` it returns the logits of every new token ``[T, vocab]`` (speculative verification,
@@ -97,6 +97,9 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
     prompt chunk, and the LM head is the costliest op of a long chunk.
     ``fused=False`` forces the per-op path even where the backend's fused decode step applies (the optional
     ``fused_decode_layers`` op, e.g. :mod:`tessera.backends.cpu.ops.fused_decode`; tests compare the two).
+    ``greedy=True`` returns the greedy token of each of those rows instead, ``[rows]`` int64 (the first maximal
+    logit's index): a vocabulary-parallel output head then exchanges each rank's best logit instead of gathering
+    the whole vocabulary (docs/distributed.md).
     """
     step.validate()
     config, w, backend = model.config, model.weights, model.backend
@@ -105,6 +108,8 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
         raise ValueError(f"forward_step: the model is on {device}, the step's tokens on {step.token_ids.device} and "
                          f"the cache on {cache.device}; build all three on the model's device (new_cache(model, ...))")
     if step.token_ids.numel() == 0:
+        if greedy:
+            return torch.zeros(0, dtype=torch.int64, device=device)
         return torch.zeros(0, config.vocab_size, device=device)
     plans: dict[object, object] = {}
 
@@ -137,4 +142,6 @@ def forward_step(model: Model, cache: PagedKVCache, step: StepBatch, *, all_logi
         ends = torch.tensor([sum(step.q_lens[: s + 1]) - 1 for s in range(len(step.q_lens)) if step.q_lens[s] > 0],
                             dtype=torch.int64, device=device)
         h = h[ends]
+    if greedy:
+        return output_tokens(config, w, h.contiguous(), backend)
     return output_logits(config, w, h.contiguous(), backend)

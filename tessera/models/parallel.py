@@ -43,5 +43,10 @@ class ParallelTable(ABC):
         """Float32 logits ``[T, V]`` over the whole vocabulary of hidden states ``h [T, H]``, on every rank."""
 
     @abstractmethod
+    def greedy_tokens(self, h: torch.Tensor, softcap: float | None, backend: str) -> torch.Tensor:
+        """``[T]`` int64: the first maximal index of each row of :meth:`lm_head`'s logits, on every rank, without
+        assembling the logits (each rank exchanges only its local best)."""
+
+    @abstractmethod
     def to(self, device: str | torch.device) -> ParallelTable:
         """The same shard on ``device``."""

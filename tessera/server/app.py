@@ -34,7 +34,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_limit: int | None = None,
+               shutdown_llm: bool = False) -> FastAPI:
     """The server application over ``llm``; the engine loop starts with the app's lifespan and stops with it.
 
     Parameters
@@ -49,6 +50,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_queue:
     max_tokens_limit : largest ``max_tokens`` a request may ask for (400 above). Default and upper bound: what one
         sequence can hold after a 1-token prompt, ``llm.max_seq_tokens - 1`` (the context or the whole KV cache,
         whichever is smaller), so that no ``max_tokens`` under the limit is refused for the cache's size alone.
+    shutdown_llm : also call ``llm.shutdown()`` when the app stops, after the engine loop: a tensor-parallel
+        engine's worker ranks then stop with the server. For an app that owns its engine (``tessera serve`` passes
+        True); the default leaves ``llm`` to its caller.
 
     Raises
     ------
@@ -80,6 +84,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None, max_queue:
             yield
         finally:  # uvicorn has stopped accepting and waited for open requests (up to its graceful timeout)
             engine.shutdown()
+            if shutdown_llm:
+                # here, not after server.run() returns: on SIGTERM uvicorn re-raises the signal once it has stopped,
+                # which ends the process before any code after run() could stop the workers gracefully
+                llm.shutdown()
 
     app = FastAPI(title="tessera", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings

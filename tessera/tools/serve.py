@@ -86,7 +86,7 @@ def make_server(args: argparse.Namespace) -> Any:
               tensor_parallel_size=args.tensor_parallel_size, **speculative_args(args))
     app = create_app(llm, args.served_model_name or model_name(args.model), api_key=args.api_key,
                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                     max_tokens_limit=args.max_tokens_limit)
+                     max_tokens_limit=args.max_tokens_limit, shutdown_llm=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_timeout, lifespan="on")
     return GracefulServer(config, app.state.engine)

@@ -155,3 +155,23 @@ def test_shutdown_stops_workers(tiny_llama):
     llm.shutdown()
     llm.shutdown()  # idempotent
     assert _pid_gone(pid)
+
+
+def test_worker_dying_at_start_fails_at_once_and_says_why(tmp_path):
+    # a script without the `if __name__ == "__main__":` guard: each spawned worker re-runs it on import and dies
+    # before it joins; rank 0 must report that at once rather than wait out the rendezvous timeout
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny(transformers.LlamaForCausalLM, config, tmp_path / "model")
+    script = tmp_path / "unguarded.py"
+    script.write_text("import sys\nfrom tessera.engine import LLM\n"
+                      "LLM(sys.argv[1], page_size=4, num_pages=16, tensor_parallel_size=2)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "model")], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TESSERA_TP_TIMEOUT": "100"})
+    assert done.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "exited before it joined" in done.stderr and '__name__ == "__main__"' in done.stderr, done.stderr[-3000:]
