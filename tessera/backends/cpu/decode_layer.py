@@ -48,10 +48,10 @@ from tessera.backends.cpu.kernel_args import (
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._gemv import _rows as _gemv_rows
 from tessera.backends.cpu.ops._int8_simd import IsaTokenType
-from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_rows, int8_rows, quantize_row
+from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_row_range, int8_row_range, quantize_row
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
-from tessera.backends.cpu.ops._qdot_ggml import ggml_rows
+from tessera.backends.cpu.ops._qdot_ggml import ggml_row_range
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
@@ -183,19 +183,19 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     if kind == 1 and _is_ggml(w):
         def ggml_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             w0, w1, fmt0, fmt1, split = w
-            _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
+            ggml_row_range(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return ggml_int8_activation_rows
     if kind == 1 and len(w.types) == 5:
         def int4_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             packed, scales, offsets, has_min, group = w
-            _int4_act_rows(isa, inp[0], inp[1], inp[2], packed, scales, offsets, has_min, group, acc, lo, hi)
+            int4_row_range(isa, inp[0], inp[1], inp[2], packed, scales, offsets, has_min, group, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return int4_int8_activation_rows
     if kind == 1:
         def int8_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             q, scales, group = w
-            _int8_act_rows(isa, inp[0], inp[1], q, scales, group, acc, lo, hi)
+            int8_row_range(isa, inp[0], inp[1], q, scales, group, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return int8_int8_activation_rows
 
@@ -207,26 +207,12 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
 
 
 # The row kernels proper are called, not inlined: each compiles once per weight type and is shared by every layer
-# specialization (inlining them into the layer made its compile several minutes long), and called with plain array
+# specialization (inlining them into the layer made its compile several minutes long); the int8-activation ones
+# (``int4_row_range``, ``int8_row_range``, ``ggml_row_range``) are the standalone GEMVs' own. Called with plain array
 # arguments LLVM keeps their loads in registers, which it did not always do for arrays unpacked from tuples.
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _float_rows(xf, w, acc, lo, hi):  # pragma: no cover - compiled
     _gemv_rows(xf, w, acc, lo, hi)
-
-
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _int4_act_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, lo, hi):  # pragma: no cover
-    int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, acc, lo, hi)
-
-
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _ggml_act_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi):  # pragma: no cover - compiled
-    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi)
-
-
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _int8_act_rows(isa, xq, xd, q, scales, group, acc, lo, hi):  # pragma: no cover - compiled
-    int8_rows(isa, xq, xd, q, scales, group, acc, lo, hi)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")

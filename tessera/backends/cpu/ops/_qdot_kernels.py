@@ -412,19 +412,43 @@ def int8_rows(isa, xq, xd, q, scales, group, out, n_lo, n_hi):  # pragma: no cov
                 out[m, n] = _int8_row(isa, xq, xd, m, q, scales, group, n)
 
 
+@njit(inline="always")
+def zero_index():  # pragma: no cover - compiled
+    """0 typed as int64: a literal 0 passed to a called kernel makes Numba compile a second specialization for
+    ``Literal[int](0)`` (the serial GEMV would then not share the parallel one's row kernel)."""
+    return np.int64(0)
+
+
+# The row kernels proper are called, not inlined, by the parallel and serial GEMVs here and by the fused decode layer
+# (backends/cpu/decode_layer.py): each compiles once per (ISA token, weight types) and is linked into every caller.
+# Inlined, the same ~20 s of LLVM work was repeated for each of the three callers of every variant and weight kind
+# (measured on Zen 5, 2026-12-04: int4 float32 scales cost 19.5 s serial + 32.7 s parallel), which made a cold first
+# run, and the kernel tests, several times slower to compile. One call per 16-row work item costs nothing measurable.
+@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def int4_row_range(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, n_lo, n_hi):  # pragma: no cover
+    """:func:`int4_rows` as a called (not inlined) function."""
+    int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, n_lo, n_hi)
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
+def int8_row_range(isa, xq, xd, q, scales, group, out, n_lo, n_hi):  # pragma: no cover - compiled
+    """:func:`int8_rows` as a called (not inlined) function."""
+    int8_rows(isa, xq, xd, q, scales, group, out, n_lo, n_hi)
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gemv_int4(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out):  # pragma: no cover - compiled
     """:func:`int4_rows` over all rows, split over threads in blocks of :data:`ROWS`."""
     n_rows = packed.shape[0]
     for blk in prange((n_rows + ROWS - 1) // ROWS):
-        int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, blk * ROWS,
-                  min(n_rows, (blk + 1) * ROWS))
+        int4_row_range(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, blk * ROWS,
+                       min(n_rows, (blk + 1) * ROWS))
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gemv_int4_serial(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out):  # pragma: no cover
     """:func:`gemv_int4` on the calling thread."""
-    int4_rows(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, 0, packed.shape[0])
+    int4_row_range(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out, zero_index(), packed.shape[0])
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -432,10 +456,10 @@ def gemv_int8(isa, xq, xd, q, scales, group, out):  # pragma: no cover - compile
     """:func:`int8_rows` over all rows, split over threads in blocks of :data:`ROWS`."""
     n_rows = q.shape[0]
     for blk in prange((n_rows + ROWS - 1) // ROWS):
-        int8_rows(isa, xq, xd, q, scales, group, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
+        int8_row_range(isa, xq, xd, q, scales, group, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gemv_int8_serial(isa, xq, xd, q, scales, group, out):  # pragma: no cover - compiled
     """:func:`gemv_int8` on the calling thread."""
-    int8_rows(isa, xq, xd, q, scales, group, out, 0, q.shape[0])
+    int8_row_range(isa, xq, xd, q, scales, group, out, zero_index(), q.shape[0])
