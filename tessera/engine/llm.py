@@ -61,7 +61,7 @@ class LLM:
     tensor_parallel_size : ranks the model is split across on this machine (tensor parallelism over
         torch.distributed, gloo, one thread per rank; docs/distributed.md). 1 (default) runs in this process alone.
         With N > 1, N - 1 worker processes are spawned; :attr:`model` is then rank 0's shard. Call :meth:`shutdown`
-        (or let the LLM be collected) to stop them.
+        (or let the LLM be collected) to stop them. A speculative draft runs whole on rank 0.
 
     Examples
     --------
@@ -81,9 +81,6 @@ class LLM:
         tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"LLM: tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if tensor_parallel_size > 1 and spec_config is not None:
-            raise ValueError("LLM: speculative decoding does not run under tensor parallelism yet; drop speculative "
-                             "or use tensor_parallel_size=1")
         self.kv_cache_dtype = check_format(kv_cache_dtype, "LLM")
         if isinstance(model, Model):
             self.model = model if device is None else to_device(model, resolve_device(model.backend, device))
@@ -93,6 +90,9 @@ class LLM:
         if num_pages is None:
             num_pages = self._pages_for(kv_cache_memory, page_size, max_num_seqs)
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+        # the whole model, before a tensor-parallel engine replaces self.model with rank 0's shard: a self-draft
+        # quantizes it and a draft checkpoint loads like it, and the draft runs whole on rank 0 (docs/distributed.md)
+        whole_model = self.model
         self.tensor_parallel = None
         if tensor_parallel_size > 1:  # rank 0 here, workers spawned; each rank holds its shard of weights and KV
             from tessera.distributed.launch import TensorParallelEngine
@@ -107,7 +107,7 @@ class LLM:
         if spec_config is not None:
             from tessera.engine.speculative.decoder import build_proposer
 
-            proposer = build_proposer(spec_config, self.model, num_pages, page_size)
+            proposer = build_proposer(spec_config, whole_model, num_pages, page_size)
             self.speculative = SpeculativeDecoder(spec_config, proposer, self.max_len)
             self.scheduler.on_release = self.speculative.release
         self.runner = Runner(self.model, self.cache, self.block_manager, self.speculative)

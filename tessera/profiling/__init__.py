@@ -13,6 +13,7 @@ Examples
 """
 
 from tessera.profiling.accounting import (
+    COMM_OPS,
     TARGETS,
     OpAccounting,
     OpStats,
@@ -22,5 +23,5 @@ from tessera.profiling.accounting import (
 )
 from tessera.profiling.tracer import ProfileResult, profile_request
 
-__all__ = ["TARGETS", "OpAccounting", "OpStats", "ProfileResult", "account_ops", "force_unfused", "profile_request",
+__all__ = ["COMM_OPS", "TARGETS", "OpAccounting", "OpStats", "ProfileResult", "account_ops", "force_unfused", "profile_request",
            "targets"]

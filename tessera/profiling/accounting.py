@@ -60,6 +60,9 @@ class OpAccounting:
 
     stats: dict[str, OpStats] = field(default_factory=dict)
     phase: str | None = None
+    #: engine steps per phase (``"prefill"`` / ``"decode"``) and their wall seconds (with phases on)
+    steps: dict[str, int] = field(default_factory=dict)
+    step_seconds: dict[str, float] = field(default_factory=dict)
     _depth: int = 0
 
     def add(self, name: str, seconds: float, cost: roofline.Cost, roof: str | None = None) -> None:
@@ -163,6 +166,22 @@ def _sample_cost(logits: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Co
     return 5.0 * logits.numel(), float(_nbytes(logits))
 
 
+def _all_reduce_cost(comm: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    # the sum travels as float32 whatever the model dtype (Communicator.all_reduce); bytes = the reduced buffer
+    return 0.0, float(t.numel() * 4)
+
+
+def _all_gather_cost(comm: Any, t: torch.Tensor, sizes: list[int], *args: Any, **kwargs: Any) -> roofline.Cost:
+    # every rank sends its rows padded to the widest piece (gloo gathers equal shapes); bytes = the gathered buffer
+    rows = t.numel() // max(t.shape[-1], 1)
+    return 0.0, float(rows * max(sizes) * comm.world * t.element_size())
+
+
+def _argmax_across_cost(comm: Any, values: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    # one float64 (value, id) pair per row and rank, all-gathered
+    return 0.0, float(values.numel() * 16 * comm.world)
+
+
 def _attention_cost(plan: Any, q: torch.Tensor, k_pages: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
     """Causal attention over the plan's batch (windows and custom masks not subtracted: an upper bound for them)."""
     spec, batch = plan.spec, plan.batch
@@ -193,7 +212,16 @@ TARGETS: tuple[tuple[str, str, str, CostFn], ...] = (
     ("tessera.engine.runner", "sample", "sample", _sample_cost),
     ("tessera.attention.plan", "AttentionPlan.run", "attention", _attention_cost),
     ("tessera.kv.cache", "PagedKVCache.write", "kv_cache_write", _kv_write_cost),
+    # the collectives of a tensor-parallel rank (only rank 0, the engine's process, is accounted)
+    ("tessera.distributed.comm", "Communicator.all_reduce", "all_reduce", _all_reduce_cost),
+    ("tessera.distributed.comm", "Communicator.all_gather_cols", "all_gather", _all_gather_cost),
+    ("tessera.distributed.comm", "Communicator.argmax_across", "argmax_across", _argmax_across_cost),
 )
+
+#: accounted ops that are collectives, and the collective each one is in the cost model (:mod:`tessera.hw.links`):
+#: their time is communication (and waiting for the other ranks), their "bytes" the collective's result buffer, not
+#: memory traffic, so no roofline applies to them
+COMM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "argmax_across": "all_gather"}
 
 
 def targets() -> tuple[tuple[str, str, str, CostFn], ...]:
@@ -243,9 +271,12 @@ def account_ops(unfused: bool = False, phases: bool = False) -> Iterator[OpAccou
         if unfused:
             stack.enter_context(force_unfused())
         if phases:
+            from tessera.distributed import worker
             from tessera.engine import runner
 
             stack.enter_context(_patched(runner, "forward_step", _phase_marker(runner.forward_step, acct)))
+            # a tensor-parallel engine runs rank 0's step through the worker module's forward_step instead
+            stack.enter_context(_patched(worker, "forward_step", _phase_marker(worker.forward_step, acct)))
         yield acct
 
 
@@ -280,9 +311,13 @@ def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
 
 def _phase_marker(forward_step: Callable[..., Any], acct: OpAccounting) -> Callable[..., Any]:
     def wrapper(model: Any, cache: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
-        acct.phase = "decode" if all(q == 1 for q in step.q_lens) else "prefill"
-        with torch.profiler.record_function(f"{acct.phase} step"):
-            return forward_step(model, cache, step, *args, **kwargs)
+        phase = acct.phase = "decode" if all(q == 1 for q in step.q_lens) else "prefill"
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"{phase} step"):
+            out = forward_step(model, cache, step, *args, **kwargs)
+        acct.steps[phase] = acct.steps.get(phase, 0) + 1
+        acct.step_seconds[phase] = acct.step_seconds.get(phase, 0.0) + time.perf_counter() - start
+        return out
 
     return wrapper
 

@@ -180,3 +180,26 @@ def test_structured_output_and_sampling_match(tmp_path):
         llm.shutdown()
     assert got == ref
     assert "@" in got[0][0] and gathers > 0
+
+
+def test_speculative_decoding_keeps_the_greedy_tokens(tiny):
+    # the draft runs on rank 0 alone (a self-draft quantizes the whole model, not rank 0's shard); the target
+    # verifies the drafts in one step over both ranks, with the logits gathered. The n-gram lookup needs no model and
+    # verifies the same way; one proposer keeps the test to two engines.
+    speculative = "self:q8_0"
+    prompts = _prompts(VOCAB, (5, 17, 9), seed=5)
+    engine = {"page_size": 4, "num_pages": 64, "max_num_batched_tokens": 32}
+    ref_llm = LLM(tiny, tensor_parallel_size=2, **engine)
+    try:
+        ref = [o.token_ids for o in ref_llm.generate(prompts, _greedy(12))]
+    finally:
+        ref_llm.shutdown()
+    llm = LLM(tiny, tensor_parallel_size=2, speculative=speculative, **engine)
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, _greedy(12))]
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert got == ref
+    # 8-bit weights of the same model draft mostly what it picks: drafts were verified and some accepted
+    assert stats["spec_num_steps"] >= 1 and stats["spec_accepted_tokens"] >= 1, stats

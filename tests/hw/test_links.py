@@ -23,3 +23,16 @@ def test_fit_recovers_latency_and_bandwidth():
     link = fit_link("loopback", sizes, times, 2)
     assert link.latency_s == pytest.approx(50e-6, rel=1e-6)
     assert link.bandwidth == pytest.approx(2e9, rel=1e-6)
+
+
+def test_all_gather_and_summed_collectives():
+    from tessera.hw.links import LOOPBACK_GLOO, all_gather_seconds, collective_seconds
+
+    # 4 ranks: 3 hops, 3/4 of the gathered buffer over one link
+    assert all_gather_seconds(NVLINK4, 4000, 4) == pytest.approx(3 * 5e-6 + 0.75 * 4000 / 450e9)
+    assert all_gather_seconds(NVLINK4, 4000, 1) == 0.0
+    # linear in bytes: 3 calls moving 6 KB in all cost 3 latencies' worth plus the bytes once
+    assert collective_seconds(LOOPBACK_GLOO, "all_reduce", 3, 6000, 2) == pytest.approx(
+        3 * all_reduce_seconds(LOOPBACK_GLOO, 2000, 2))
+    with pytest.raises(ValueError, match="kind must be"):
+        collective_seconds(NVLINK4, "broadcast", 1, 10, 2)

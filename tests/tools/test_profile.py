@@ -148,3 +148,36 @@ def test_fused_layer_with_int4_projections_counts_packed_bytes(tiny_dir) -> None
     # the 3-token prompt is a decode-shaped step too (at most 8 tokens), then two decode steps
     assert op.calls == 3 * LAYERS and op.flops >= 2 * (3 + 2) * params
     assert op.bytes < 3 * params * 4 / 4  # packed: well under a quarter of the fp32 bytes of three steps
+
+
+def test_tensor_parallel_reports_communication(tiny_dir, tmp_path, capsys, monkeypatch) -> None:
+    """TP=2 on the tiny model: a communication table with the collectives a step runs, and the cost model's
+    prediction for them (no timing assertions: the machine is shared)."""
+    from tessera.hw.links import LOOPBACK_GLOO
+    from tessera.tools import profile as tool
+
+    monkeypatch.setenv("COLUMNS", "250")
+    captured = {}
+    summary = tool.comm_summary
+    monkeypatch.setattr(tool, "comm_summary", lambda *a: captured.setdefault("rows", summary(*a)))
+    argv = ["profile", "--model", str(tiny_dir), "--prompt-len", "12", "--gen-len", "4", "--trace",
+            str(tmp_path / "trace.json"), "--tensor-parallel-size", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "communication of a tensor-parallel step" in out and "all_reduce (decode)" in out
+    rows = {r["phase"]: r for r in captured["rows"]}
+    assert set(rows) == {"prefill", "decode"}
+    decode = rows["decode"]
+    assert decode["steps"] == 3  # 4 tokens: the first comes from the prefill step
+    # per step: 2 all-reduces per layer and the embedding's; greedy rows exchange their best logit, no gather
+    assert decode["kinds"]["all_reduce"] == 2 * LAYERS + 1 and decode["kinds"]["argmax_across"] == 1
+    # one token's float32 hidden row per all-reduce, one (value, id) float64 pair per rank
+    assert decode["bytes"] == (2 * LAYERS + 1) * HIDDEN * 4 + 2 * 16
+    assert rows["prefill"]["bytes"] == (2 * LAYERS + 1) * 12 * HIDDEN * 4 + 2 * 16
+    assert 0 < decode["comm_s"] <= decode["step_s"] and 0 <= decode["share"] <= 1
+    # the model's prediction for the same byte counts: 2 hops of latency per all-reduce, 1 per all-gather
+    from tessera.hw.links import collective_seconds
+
+    expected = (collective_seconds(LOOPBACK_GLOO, "all_reduce", 2 * LAYERS + 1, (2 * LAYERS + 1) * HIDDEN * 4, 2)
+                + collective_seconds(LOOPBACK_GLOO, "all_gather", 1, 32, 2))
+    assert decode["predicted_s"] == pytest.approx(expected)
