@@ -87,6 +87,9 @@ def _embed_packed(ids: torch.Tensor, table: QuantizedWeight, scale: float | None
 #: a packed table's rows go through ``qmatmul`` in chunks of this many when there are at most ROW_CHUNK_UP_TO
 ROW_CHUNK = 16
 ROW_CHUNK_UP_TO = 128
+#: above ROW_CHUNK_UP_TO rows, a packed table is de-quantized to float32 this many bytes of rows at a time (a tile
+#: that stays in cache; the whole float table is never held) for a float32 GEMM
+FLOAT_TILE_BYTES = 8 << 20
 
 
 def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None = None,
@@ -136,11 +139,37 @@ def lm_head(hidden: torch.Tensor, table: torch.Tensor, *, softcap: float | None 
             # the small-M kernel, whose rows do not depend on each other (tests/engine/test_speculative.py).
             logits = torch.cat([qmatmul(h[r:r + ROW_CHUNK], table, backend=backend).float()
                                 for r in range(0, h.shape[0], ROW_CHUNK)])
+        elif h.shape[0] > ROW_CHUNK_UP_TO:
+            logits = _float_tiles_logits(h, table, backend)
         else:
             logits = qmatmul(h, table, backend=backend).float()
         logits = logits if cap is None else cap * torch.tanh(logits / cap)
         return logits.view(*hidden.shape[:-1], table.shape[0])
     return registry.resolve("lm_head", backend, table.device)(hidden, table, cap)
+
+
+def _float_tiles_logits(h: torch.Tensor, table: QuantizedWeight, backend: str) -> torch.Tensor:
+    """Float32 logits ``h @ dequantize(table).T`` for many rows (a prompt's or a perplexity window's every position),
+    through float32 tiles of the table.
+
+    ``qmatmul`` would take the backend's many-row kernel, and the cpu one's bf16 variant (``qgemm=avx512_bf16``)
+    rounds its outputs to bf16: harmless for a layer's activations, but a logit of 20 then lands on a grid of 1/8, an
+    error that dominates the KL divergence of an otherwise exact model (SmolLM2's packed GGUF against its
+    de-quantized weights: two thirds of what its bf16 prefill kernels cost; docs/quantization.md, Quant report). The
+    tiles cost a float GEMM; only callers that want every position's logits pay it (generation asks for the last
+    position's, speculative verification for at most ROW_CHUNK_UP_TO rows).
+    """
+    from tessera.kernels.quant import dequantize, matmul
+
+    vocab, width = table.shape
+    x = h.float().contiguous()
+    logits = torch.empty(x.shape[0], vocab, dtype=torch.float32, device=x.device)
+    rows = max(1, FLOAT_TILE_BYTES // (4 * width))
+    for v0 in range(0, vocab, rows):
+        v1 = min(vocab, v0 + rows)
+        tile = dequantize(table.rows(torch.arange(v0, v1, device=table.device)), backend=backend)
+        logits[:, v0:v1] = matmul(x, tile, backend=backend)
+    return logits
 
 
 def gemma_embed_scale(hidden_size: int, dtype: torch.dtype) -> float:

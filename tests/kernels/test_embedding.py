@@ -167,3 +167,23 @@ def test_packed_lm_head_rows_do_not_depend_on_the_batch(gen):
     many = lm_head(h, table, backend="cpu")
     for r in (0, 45, 89):
         assert torch.equal(lm_head(h[r:r + 1], table, backend="cpu")[0], many[r])
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_lm_head_many_rows_gives_float32_logits(backend, dtype, gen, monkeypatch):
+    """Above ROW_CHUNK_UP_TO rows (a perplexity window's every position) a packed table's logits are float32 to
+    float32's tolerance, whatever the backend's many-row qmatmul rounds to (the cpu's bf16 qgemm variant rounds its
+    outputs to bf16, 2^-9 relative, far outside it); small tiles exercise the vocabulary's tail tile."""
+    from tessera.kernels import embedding as kernels_embedding
+    from tessera.kernels.quant import dequantize
+
+    monkeypatch.setattr(kernels_embedding, "FLOAT_TILE_BYTES", 4 * 512 * 16)  # tiles of 16 rows: 37 = 16 + 16 + 5
+    rows = kernels_embedding.ROW_CHUNK_UP_TO + 72
+    for fmt, packed in _packed_tables(gen, 37, 512).items():
+        h = torch.randn(2, rows // 2, 512, generator=gen).to(dtype)
+        logits = lm_head(h, packed, softcap=30.0, backend=backend)
+        assert logits.dtype == torch.float32 and logits.shape == (2, rows // 2, 37)
+        dense = dequantize(packed, backend="reference")
+        assert_close_to_oracle(logits, lm_head_f64(h, dense, 30.0), torch.float32, f"packed lm_head {fmt}",
+                               reduction=True)
