@@ -9,6 +9,8 @@ Weight formats (``--formats``):
 ``int4``      int8 / int4 / int4_min in groups of ``group_size`` (32 by default: the layouts of GGUF's Q8_0,
 ``int4_min``  Q4_0 and Q4_1, with float32 scales), fp8_e4m3 per output channel. A tied model holds one packed table
 ``fp8_e4m3``  for lookups and logits (:func:`tessera.models.requantize.requantize_model` with ``tables="all"``).
+              int8's scales come from a least-squares search per group (:mod:`tessera.kernels.quant_search`), not
+              ``max|w| / 127``: same bytes, smaller error.
 ``gguf``      a GGUF file as it loads by default: the projections and table its types allow kept packed as stored
               (Q4_0 / Q4_1 / Q8_0 / K-quants), what ``tessera generate`` runs.
 
@@ -170,7 +172,9 @@ def build_model(fmt: str, reference: Model, source: str | Path, *, group_size: i
     if fmt == "gguf":
         return load_model(source, dtype="float32", backend=backend, device=device)
     if fmt in REQUANTIZED:
-        return requantize_model(reference, fmt, group_size if REQUANTIZED[fmt] else None, tables="all")
+        # int8 with searched scales: what an offline int8 quantizer should ship (tessera.kernels.quant_search)
+        return requantize_model(reference, fmt, group_size if REQUANTIZED[fmt] else None, tables="all",
+                                search_scales=fmt == "int8")
     raise ValueError(f"quant-report: unknown weight format {fmt!r}; choose from {list(WEIGHT_FORMATS)}")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from tessera.kernels.quant import QUANTIZABLE, QuantizedWeight, StackedWeight, dequantize, quantize
+from tessera.kernels.quant_search import search_int8_scales
 from tessera.models.model import Model
 
 #: the per-layer weights that are re-quantized (names ``layers.{i}.{projection}.weight``)
@@ -34,7 +35,7 @@ def is_projection(name: str) -> bool:
 
 
 def requantize_weight(w: torch.Tensor | QuantizedWeight | StackedWeight, fmt: str, group_size: int | None,
-                      backend: str = "auto", *, what: str = "weight") -> QuantizedWeight:
+                      backend: str = "auto", *, what: str = "weight", search_scales: bool = False) -> QuantizedWeight:
     """``w`` quantized to ``fmt`` with ``group_size`` (None: per channel), de-quantized first when it is packed.
 
     Parameters
@@ -44,6 +45,8 @@ def requantize_weight(w: torch.Tensor | QuantizedWeight | StackedWeight, fmt: st
     group_size : 32, 64, 128 or None (per channel; the only choice for fp8_e4m3)
     backend : the kernels' backend
     what : how errors name the weight
+    search_scales : int8 only: per-group scales from a least-squares search
+        (:func:`tessera.kernels.quant_search.search_int8_scales`) instead of ``max|w| / 127``
 
     Raises
     ------
@@ -56,11 +59,14 @@ def requantize_weight(w: torch.Tensor | QuantizedWeight | StackedWeight, fmt: st
         raise ValueError(f"{what} of shape {tuple(w.shape)} has K={w.shape[1]}, not a multiple of the group size "
                          f"{group_size}")
     # quantize reads float32, bfloat16 or float16; float32 makes the scales from the exact values
-    return quantize(w if w.dtype == torch.float32 else w.float(), fmt, group_size, backend=backend)
+    w = w if w.dtype == torch.float32 else w.float()
+    if search_scales and fmt == "int8":
+        return search_int8_scales(w, group_size, backend=backend)
+    return quantize(w, fmt, group_size, backend=backend)
 
 
 def requantize_model(model: Model, fmt: str, group_size: int | None, *, tables: str = "output",
-                     skip_odd_tables: bool = False) -> Model:
+                     skip_odd_tables: bool = False, search_scales: bool = False) -> Model:
     """``model`` with its projections and tables quantized to ``fmt`` (see the module docstring for ``tables``).
 
     Parameters
@@ -71,6 +77,8 @@ def requantize_model(model: Model, fmt: str, group_size: int | None, *, tables: 
     tables : ``"output"`` or ``"all"``
     skip_odd_tables : keep a table whose width is not a multiple of ``group_size`` as it is (a self-draft still
         drafts with packed projections) instead of raising
+    search_scales : for ``fmt="int8"``, searched per-group scales (:mod:`tessera.kernels.quant_search`: smaller
+        error at the same bytes, a few seconds more per 100M weights); other formats ignore it
 
     Returns
     -------
@@ -90,7 +98,7 @@ def requantize_model(model: Model, fmt: str, group_size: int | None, *, tables: 
     weights = dict(model.weights)
     for name, w in model.weights.items():
         if is_projection(name):
-            weights[name] = requantize_weight(w, fmt, group_size, backend, what=name)
+            weights[name] = requantize_weight(w, fmt, group_size, backend, what=name, search_scales=search_scales)
     if tables == "output":  # tied: the logits read a packed copy of the token table, lookups keep the float one
         sources = {"lm_head": model.weights.get("lm_head", model.weights["embed"])}
     else:
@@ -98,5 +106,5 @@ def requantize_model(model: Model, fmt: str, group_size: int | None, *, tables: 
     for name, w in sources.items():
         if skip_odd_tables and group_size is not None and w.shape[1] % group_size:
             continue
-        weights[name] = requantize_weight(w, fmt, group_size, backend, what=name)
+        weights[name] = requantize_weight(w, fmt, group_size, backend, what=name, search_scales=search_scales)
     return Model(model.config, weights, model.tokenizer, model.chat_template, model.backend)
