@@ -51,7 +51,7 @@ from tessera.backends.cpu.ops._int8_simd import IsaTokenType
 from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_row_range, int8_row_range, quantize_row
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
-from tessera.backends.cpu.ops._qdot_ggml import ggml_row_range
+from tessera.backends.cpu.ops._qdot_ggml import ggml_rows
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
@@ -183,7 +183,7 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     if kind == 1 and _is_ggml(w):
         def ggml_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             w0, w1, fmt0, fmt1, split = w
-            ggml_row_range(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
+            _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return ggml_int8_activation_rows
     if kind == 1 and len(w.types) == 5:
@@ -207,12 +207,20 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
 
 
 # The row kernels proper are called, not inlined: each compiles once per weight type and is shared by every layer
-# specialization (inlining them into the layer made its compile several minutes long); the int8-activation ones
-# (``int4_row_range``, ``int8_row_range``, ``ggml_row_range``) are the standalone GEMVs' own. Called with plain array
-# arguments LLVM keeps their loads in registers, which it did not always do for arrays unpacked from tuples.
+# specialization (inlining them into the layer made its compile several minutes long); the int4 / int8 ones
+# (``int4_row_range``, ``int8_row_range``) are the standalone GEMVs' own. The ggml block formats keep a wrapper of
+# their own here: sharing ``ggml_rows`` with the GEMVs the same way made this layer's Q4_K/Q6_K results differ from
+# the per-op path in a full cold ``make test`` run, though never when the tests ran alone (docs/performance.md).
+# Called with plain array arguments LLVM keeps their loads in registers, which it did not always do for arrays
+# unpacked from tuples.
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _float_rows(xf, w, acc, lo, hi):  # pragma: no cover - compiled
     _gemv_rows(xf, w, acc, lo, hi)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _ggml_act_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi):  # pragma: no cover - compiled
+    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")

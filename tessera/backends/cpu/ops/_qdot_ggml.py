@@ -51,7 +51,7 @@ from tessera.backends.cpu.ops._int8_simd import (
 from tessera.backends.cpu.ops._int8_simd512 import (
     add_f32x16, dot_codes_x2, fma_i32x16, is_wide, load_i8x64, sum_f32x16, zero_f32x16,
 )
-from tessera.backends.cpu.ops._qdot_kernels import BLOCK, ROWS, zero_index
+from tessera.backends.cpu.ops._qdot_kernels import BLOCK, ROWS
 from tessera.backends.cpu.ops._qdot_wide import PREFETCH_BYTES
 
 #: the kernels' format codes (:data:`._ggml_kernels.FMT_CODES`)
@@ -340,22 +340,15 @@ def ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, lo, hi):  # pragm
         _block_rows(isa, xq, xd, xs, w1, fmt1, out, max(lo, split) - split, hi - split, split)
 
 
-@njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def ggml_row_range(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, lo, hi):  # pragma: no cover - compiled
-    """:func:`ggml_rows` as a called (not inlined) function: compiled once per ISA token and shared by the GEMVs
-    below and the fused decode layer (see ``_qdot_kernels.int4_row_range``)."""
-    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, lo, hi)
-
-
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gemv_ggml(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out):  # pragma: no cover - compiled
     """:func:`ggml_rows` over all ``out.shape[1]`` rows, split over threads in blocks of :data:`ROWS`."""
     n_rows = out.shape[1]
     for blk in prange((n_rows + ROWS - 1) // ROWS):
-        ggml_row_range(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
+        ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gemv_ggml_serial(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out):  # pragma: no cover - compiled
     """:func:`gemv_ggml` on the calling thread."""
-    ggml_row_range(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, zero_index(), out.shape[1])
+    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, 0, out.shape[1])
