@@ -11,14 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-import httpx2
 import pytest
 
 from tessera.engine import LLM
 from tessera.models import load_model
 from tessera.server import create_app
 from tests.distributed.test_tensor_parallel import _pid_gone
-from tests.server.conftest import CHAT_TEMPLATE, MODEL_NAME, Running, run_server, save_char_llama
+from tests.server.conftest import (CHAT_TEMPLATE, MODEL_NAME, Running, run_server, save_char_llama,
+                                   wait_until_healthy)
 from tests.server.test_fault_injection import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,16 +104,7 @@ def test_cli_serve_sigterm_leaves_no_worker(char_dir, reference, tmp_path):
              "128", "--max-num-seqs", "8", "--log-level", "warning"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120  # importing torch twice (the worker too) on a busy machine
-            while True:
-                assert proc.poll() is None, log_path.read_text()
-                try:
-                    if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx2.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
+            wait_until_healthy(url, proc, log_path)
             workers = _descendants(proc.pid)
             assert workers, "no worker rank was spawned"
             running = Running(url, None, None)

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import Popen
 
+import httpx2
 import openai
 import pytest
 import transformers
@@ -25,6 +27,21 @@ MODEL_NAME = "tiny-llama"
 EOS = 2
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def wait_until_healthy(url: str, proc: Popen, log_path: Path, timeout_s: float = 120.0) -> None:
+    """Poll ``url``'s /health until it answers 200; fail with the server's log if ``proc`` exits first or
+    ``timeout_s`` passes (generous: a server process imports torch, and a busy machine is slow at it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not start within {timeout_s:.0f} s"
+        time.sleep(0.2)
 
 
 def char_tokenizer() -> Tokenizer:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx2
 
+from tests.server.conftest import wait_until_healthy
+
 NUM_STREAMS = 64
 GRACE = 1.0  # --graceful-timeout
 STEP_SLEEP = 0.01  # per engine step: 48 requests of 200 tokens through 16 slots need >= 6 s, past SIGTERM + GRACE
@@ -108,16 +110,7 @@ def test_sigterm_under_load_with_disconnects(tiny_dir, tmp_path):
              "--max-tokens-limit", "200", "--graceful-timeout", str(GRACE), "--log-level", "warning"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120  # importing torch on a busy machine
-            while True:
-                assert proc.poll() is None, (tmp_path / "server.log").read_text()
-                try:
-                    if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx2.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
+            wait_until_healthy(url, proc, tmp_path / "server.log")
             httpx2.post(f"{url}/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60)
             outcomes, sigterm = asyncio.run(run_clients(url, proc))
             proc.wait(timeout=GRACE + 5 + 5)  # bounded here; the exact bound is asserted below
