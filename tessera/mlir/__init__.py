@@ -2,7 +2,9 @@
 
 - :mod:`tessera.mlir.trace`: masks and score functions as ``arith``/``math``/``vector`` ops (traced or translated).
 - :mod:`tessera.mlir.attention_kernel`: a spec as a FlashAttention-style ``scf``/``vector`` loop in one IREE
-  dispatch, over the kv tiles the plan keeps.
+  dispatch, over the kv tiles the plan keeps (the llvm-cpu kernel).
+- :mod:`tessera.mlir.attention_linalg`: the same spec as linalg ops on tensors, the form IREE's GPU pipelines (cuda,
+  rocm, vulkan-spirv) accept; :mod:`tessera.backends.mlir.targets` picks the lowering per target.
 - :mod:`tessera.mlir.iree_compile`: IREE compilation for llvm-cpu (run here) and GPU targets (compile-only), with
   in-memory and on-disk caches.
 - :mod:`tessera.mlir.op_kernels`: the kernel library's ops as dynamic-shape linalg modules.

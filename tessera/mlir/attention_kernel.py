@@ -87,6 +87,10 @@ def lower_attention(spec: AttentionSpec, key_layout: str = "tiles", kv_element: 
     registers); the "tiles" layout is always float32 (the host packs it). ``rows`` is the query rows per work item
     (:data:`ROW_CHOICES`) and ``kv_tile`` the keys per kv tile (:data:`KV_TILE_CHOICES`); the plan that feeds the
     kernel must be built with the same values.
+
+    This is the llvm-cpu kernel. GPU targets compile the linalg form of the same spec
+    (:func:`tessera.mlir.attention_linalg.lower_attention_linalg`); :mod:`tessera.backends.mlir.targets` picks per
+    target.
     """
     if rows not in ROW_CHOICES:
         raise ValueError(f"rows must be one of {ROW_CHOICES} (query rows per work item), got {rows!r}")

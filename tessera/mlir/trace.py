@@ -3,7 +3,8 @@
 The attention kernel evaluates a spec's mask and score on a vector of :data:`LANES` keys at a time: ``kv_pos`` is a
 ``vector<16xi32>``, and ``b``, ``h``, ``q_pos`` (one query row) are broadcast to the same shape. A :class:`Sym` is one
 such vector SSA value; Python operators and the torch functions of :data:`TORCH_FUNCTIONS` on Syms emit ops instead of
-computing, so a custom function written for tensors is *traced* into the kernel.
+computing, so a custom function written for tensors is *traced* into the kernel. The same tracing also emits scalars
+(a :class:`Scope` with ``lanes=None``) for the ``linalg.generic`` bodies of the GPU-shaped lowering.
 
 Built-in masks and scores have direct translations (:func:`mask_value`, :func:`score_value`). Every Python number a
 mask or function holds (a window, a softcap, a captured table) becomes a *runtime* value read from the kernel's aux
@@ -40,9 +41,10 @@ class ReturnTypeError(TypeError):
     """A custom function returns the wrong kind of value (a mistake on every backend, not a translation limit)."""
 
 
-def vtype(kind: str) -> str:
-    """The vector type of a value of ``kind``."""
-    return f"vector<{LANES}x{_ELEMENT[kind]}>"
+def vtype(kind: str, lanes: int | None = LANES) -> str:
+    """The type of a value of ``kind``: a vector of ``lanes`` elements, or the scalar element when ``lanes`` is
+    None (inside a ``linalg.generic`` body, which sees one element at a time)."""
+    return _ELEMENT[kind] if lanes is None else f"vector<{lanes}x{_ELEMENT[kind]}>"
 
 
 class AuxValues:
@@ -119,22 +121,37 @@ class AuxValues:
 
 
 class Scope:
-    """Where traced ops go: the builder, the aux values, and the SSA names of the aux tensors in the kernel."""
+    """Where traced ops go: the builder, the aux values, and the SSA names of the aux tensors in the kernel.
 
-    def __init__(self, builder: TextBuilder, aux: AuxValues, aux_i: str = "%auxI", aux_f: str = "%auxF") -> None:
-        self.b, self.aux, self.aux_i, self.aux_f = builder, aux, aux_i, aux_f
+    ``lanes`` is the shape of every traced value: vectors of :data:`LANES` keys (the loop kernel), or None for
+    scalars (a ``linalg.generic`` body, :mod:`tessera.mlir.attention_linalg`).
+    """
+
+    def __init__(self, builder: TextBuilder, aux: AuxValues, aux_i: str = "%auxI", aux_f: str = "%auxF",
+                 lanes: int | None = LANES) -> None:
+        self.b, self.aux, self.aux_i, self.aux_f, self.lanes = builder, aux, aux_i, aux_f, lanes
+
+    def type(self, kind: str) -> str:
+        """The MLIR type of a traced value of ``kind`` in this scope."""
+        return vtype(kind, self.lanes)
 
     def index(self, value: int) -> str:
         return self.b.value(f"arith.constant {int(value)} : index", "c")
 
     def splat(self, kind: str, value: object) -> Sym:
-        """A compile-time constant vector (only for values that are part of the structure: 0, 1, true)."""
+        """A compile-time constant (only for values that are part of the structure: 0, 1, true)."""
         literal = {BOOL: lambda v: "true" if v else "false", INT: lambda v: str(int(v)),
                    FLOAT: lambda v: repr(float(v))}[kind](value)
-        return Sym(self.b.value(f"arith.constant dense<{literal}> : {vtype(kind)}"), kind, self)
+        if self.lanes is None and kind == BOOL:  # `true` / `false` is already typed i1
+            return Sym(self.b.value(f"arith.constant {literal}"), kind, self)
+        if self.lanes is not None:
+            literal = f"dense<{literal}>"
+        return Sym(self.b.value(f"arith.constant {literal} : {self.type(kind)}"), kind, self)
 
     def broadcast(self, scalar: str, kind: str) -> Sym:
-        return Sym(self.b.value(f"vector.broadcast {scalar} : {_ELEMENT[kind]} to {vtype(kind)}"), kind, self)
+        if self.lanes is None:
+            return Sym(scalar, kind, self)
+        return Sym(self.b.value(f"vector.broadcast {scalar} : {_ELEMENT[kind]} to {self.type(kind)}"), kind, self)
 
     def runtime_int(self, value: int) -> Sym:
         slot = self.index(self.aux.int_scalar(value))
@@ -147,18 +164,22 @@ class Scope:
         return self.broadcast(scalar, FLOAT)
 
     def gather(self, table: str, start_slot: int, flat: Sym, kind: str) -> Sym:
-        """``table[aux_i[start_slot] + flat]`` lane by lane."""
+        """``table[aux_i[start_slot] + flat]`` lane by lane (one ``tensor.extract`` for scalars)."""
         slot = self.index(start_slot)
         start = self.broadcast(self.b.value(f"tensor.extract {self.aux_i}[{slot}] : tensor<?xi32>"), INT)
-        at = self.b.value(f"arith.addi {start.name}, {flat.name} : {vtype(INT)}")
+        at = self.b.value(f"arith.addi {start.name}, {flat.name} : {self.type(INT)}")
+        element = "f32" if kind == FLOAT else "i32"
+        out_kind = FLOAT if kind == FLOAT else INT
+        if self.lanes is None:
+            where = self.b.value(f"arith.index_cast {at} : i32 to index")
+            return Sym(self.b.value(f"tensor.extract {table}[{where}] : tensor<?x{element}>"), out_kind, self)
         zero = self.index(0)
         every = self.splat(BOOL, True)
-        element = "f32" if kind == FLOAT else "i32"
-        passthru = self.splat(FLOAT if kind == FLOAT else INT, 0)
-        result = vtype(FLOAT if kind == FLOAT else INT)
+        passthru = self.splat(out_kind, 0)
+        result = self.type(out_kind)
         name = self.b.value(f"vector.gather {table}[{zero}][{at}], {every.name}, {passthru.name} : "
-                            f"tensor<?x{element}>, {vtype(INT)}, {vtype(BOOL)}, {result} into {result}")
-        return Sym(name, FLOAT if kind == FLOAT else INT, self)
+                            f"tensor<?x{element}>, {self.type(INT)}, {self.type(BOOL)}, {result} into {result}")
+        return Sym(name, out_kind, self)
 
 
 def _promote(*kinds: str) -> str:
@@ -195,15 +216,15 @@ class Sym(SymbolicOperators):
         if kind == BOOL:
             zero = self.scope.splat(self.kind, 0)
             if self.kind == FLOAT:
-                return self._emit(f"arith.cmpf une, {self.name}, {zero.name} : {vtype(FLOAT)}", BOOL)
-            return self._emit(f"arith.cmpi ne, {self.name}, {zero.name} : {vtype(INT)}", BOOL)
+                return self._emit(f"arith.cmpf une, {self.name}, {zero.name} : {self.scope.type(FLOAT)}", BOOL)
+            return self._emit(f"arith.cmpi ne, {self.name}, {zero.name} : {self.scope.type(INT)}", BOOL)
         if kind == INT:
             if self.kind == BOOL:
-                return self._emit(f"arith.extui {self.name} : {vtype(BOOL)} to {vtype(INT)}", INT)
-            return self._emit(f"arith.fptosi {self.name} : {vtype(FLOAT)} to {vtype(INT)}", INT)
+                return self._emit(f"arith.extui {self.name} : {self.scope.type(BOOL)} to {self.scope.type(INT)}", INT)
+            return self._emit(f"arith.fptosi {self.name} : {self.scope.type(FLOAT)} to {self.scope.type(INT)}", INT)
         if self.kind == BOOL:
-            return self._emit(f"arith.uitofp {self.name} : {vtype(BOOL)} to {vtype(FLOAT)}", FLOAT)
-        return self._emit(f"arith.sitofp {self.name} : {vtype(INT)} to {vtype(FLOAT)}", FLOAT)
+            return self._emit(f"arith.uitofp {self.name} : {self.scope.type(BOOL)} to {self.scope.type(FLOAT)}", FLOAT)
+        return self._emit(f"arith.sitofp {self.name} : {self.scope.type(INT)} to {self.scope.type(FLOAT)}", FLOAT)
 
     def _binary(self, other: object, op: str, reverse: bool = False) -> Sym:
         o = as_sym(other, self.scope)
@@ -213,28 +234,28 @@ class Sym(SymbolicOperators):
             if kind == FLOAT:
                 raise UntranslatableError(f"'{op}' needs bool or int operands, got {a.kind} and {b.kind}")
             a, b = a.as_kind(kind), b.as_kind(kind)
-            return self._emit(f"{_INT_BINARY[op]} {a.name}, {b.name} : {vtype(kind)}", kind)
+            return self._emit(f"{_INT_BINARY[op]} {a.name}, {b.name} : {self.scope.type(kind)}", kind)
         if op == "/":
             a, b = a.as_kind(FLOAT), b.as_kind(FLOAT)
-            return self._emit(f"arith.divf {a.name}, {b.name} : {vtype(FLOAT)}", FLOAT)
+            return self._emit(f"arith.divf {a.name}, {b.name} : {self.scope.type(FLOAT)}", FLOAT)
         if kind == BOOL:  # arithmetic on bools counts in ints, as torch does
             kind = INT
         a, b = a.as_kind(kind), b.as_kind(kind)
         if op == "//":
             if kind == FLOAT:
-                quotient = a._emit(f"arith.divf {a.name}, {b.name} : {vtype(FLOAT)}", FLOAT)
-                return quotient._emit(f"math.floor {quotient.name} : {vtype(FLOAT)}", FLOAT)
-            return self._emit(f"arith.floordivsi {a.name}, {b.name} : {vtype(INT)}", INT)
+                quotient = a._emit(f"arith.divf {a.name}, {b.name} : {self.scope.type(FLOAT)}", FLOAT)
+                return quotient._emit(f"math.floor {quotient.name} : {self.scope.type(FLOAT)}", FLOAT)
+            return self._emit(f"arith.floordivsi {a.name}, {b.name} : {self.scope.type(INT)}", INT)
         if op == "%":
             if kind == FLOAT:
                 return a - b * (a // b)
-            rem = self._emit(f"arith.remsi {a.name}, {b.name} : {vtype(INT)}", INT)
+            rem = self._emit(f"arith.remsi {a.name}, {b.name} : {self.scope.type(INT)}", INT)
             zero = self.scope.splat(INT, 0)
             # Python's sign convention: a nonzero remainder takes the sign of the divisor.
             fix = (rem != zero) & ((rem < zero) ^ (b < zero))
             return where(fix, rem + b, rem)
         table = _FLOAT_BINARY if kind == FLOAT else _INT_BINARY
-        return self._emit(f"{table[op]} {a.name}, {b.name} : {vtype(kind)}", kind)
+        return self._emit(f"{table[op]} {a.name}, {b.name} : {self.scope.type(kind)}", kind)
 
     def _compare(self, other: object, op: str) -> Sym:
         o = as_sym(other, self.scope)
@@ -243,13 +264,13 @@ class Sym(SymbolicOperators):
             kind = INT
         a, b = self.as_kind(kind), o.as_kind(kind)
         if kind == FLOAT:
-            return self._emit(f"arith.cmpf {_FLOAT_COMPARE[op]}, {a.name}, {b.name} : {vtype(FLOAT)}", BOOL)
-        return self._emit(f"arith.cmpi {_INT_COMPARE[op]}, {a.name}, {b.name} : {vtype(INT)}", BOOL)
+            return self._emit(f"arith.cmpf {_FLOAT_COMPARE[op]}, {a.name}, {b.name} : {self.scope.type(FLOAT)}", BOOL)
+        return self._emit(f"arith.cmpi {_INT_COMPARE[op]}, {a.name}, {b.name} : {self.scope.type(INT)}", BOOL)
 
 
     def __neg__(self) -> Sym:
         if self.kind == FLOAT:
-            return self._emit(f"arith.negf {self.name} : {vtype(FLOAT)}", FLOAT)
+            return self._emit(f"arith.negf {self.name} : {self.scope.type(FLOAT)}", FLOAT)
         return self.scope.splat(INT, 0) - self.as_kind(INT)
 
     def __pos__(self) -> Sym:
@@ -257,15 +278,15 @@ class Sym(SymbolicOperators):
 
     def __abs__(self) -> Sym:
         if self.kind == FLOAT:
-            return self._emit(f"math.absf {self.name} : {vtype(FLOAT)}", FLOAT)
+            return self._emit(f"math.absf {self.name} : {self.scope.type(FLOAT)}", FLOAT)
         x = self.as_kind(INT)
-        return x._emit(f"math.absi {x.name} : {vtype(INT)}", INT)
+        return x._emit(f"math.absi {x.name} : {self.scope.type(INT)}", INT)
 
     def __invert__(self) -> Sym:
         if self.kind == FLOAT:
             raise UntranslatableError("'~' needs a bool or int operand, got a float")
         ones = self.scope.splat(self.kind, True if self.kind == BOOL else -1)
-        return self._emit(f"arith.xori {self.name}, {ones.name} : {vtype(self.kind)}", self.kind)
+        return self._emit(f"arith.xori {self.name}, {ones.name} : {self.scope.type(self.kind)}", self.kind)
 
     def __pow__(self, exponent: object) -> Sym:
         if isinstance(exponent, bool) or not isinstance(exponent, numbers.Integral) or not 0 <= int(exponent) <= 8:
@@ -367,7 +388,7 @@ def where(cond: object, a: object, b: object) -> Sym:
     c, x, y = as_sym(cond, scope).as_kind(BOOL), as_sym(a, scope), as_sym(b, scope)
     kind = _promote(x.kind, y.kind)
     x, y = x.as_kind(kind), y.as_kind(kind)
-    return x._emit(f"arith.select {c.name}, {x.name}, {y.name} : {vtype(BOOL)}, {vtype(kind)}", kind)
+    return x._emit(f"arith.select {c.name}, {x.name}, {y.name} : {x.scope.type(BOOL)}, {x.scope.type(kind)}", kind)
 
 
 def _minmax(fn: str) -> Callable[..., Sym]:
@@ -379,7 +400,7 @@ def _minmax(fn: str) -> Callable[..., Sym]:
         x, y = x.as_kind(kind), y.as_kind(kind)
         op = {("min", INT): "arith.minsi", ("max", INT): "arith.maxsi", ("min", FLOAT): "arith.minimumf",
               ("max", FLOAT): "arith.maximumf"}[(fn, kind)]
-        return x._emit(f"{op} {x.name}, {y.name} : {vtype(kind)}", kind)
+        return x._emit(f"{op} {x.name}, {y.name} : {x.scope.type(kind)}", kind)
     return apply
 
 
@@ -391,7 +412,7 @@ def _unary(op: str) -> Callable[..., Sym]:
         if not isinstance(x, Sym):
             raise UntranslatableError(f"{op} was called on {type(x).__name__} without a traced argument")
         f = x.as_kind(FLOAT)
-        return f._emit(f"{op} {f.name} : {vtype(FLOAT)}", FLOAT)
+        return f._emit(f"{op} {f.name} : {f.scope.type(FLOAT)}", FLOAT)
     return apply
 
 
@@ -419,7 +440,7 @@ def _div(a: object, b: object, rounding_mode: str | None = None) -> Sym:
         q = x / y
         return where(q < 0.0, -_unary("math.floor")(-q), _unary("math.floor")(q))
     xi, yi = x.as_kind(INT), y.as_kind(INT)
-    return xi._emit(f"arith.divsi {xi.name}, {yi.name} : {vtype(INT)}", INT)
+    return xi._emit(f"arith.divsi {xi.name}, {yi.name} : {xi.scope.type(INT)}", INT)
 
 
 def _to(x: Sym, dtype: object = None, *args, **kwargs) -> Sym:

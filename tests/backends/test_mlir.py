@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(bool(mlir.available()), reason="; ".join(mlir.av
 def key_layout(request, monkeypatch) -> str:
     """Run the test with every batch planned for one key layout (the planner picks by query count otherwise)."""
     from tessera.backends.mlir import planner
+    from tessera.backends.mlir import tunables  # noqa: F401  (registers the planner's constants as defaults first)
 
     monkeypatch.setattr(planner, "TOKENS_MAX_Q", 10**9 if request.param == "tokens" else -1)
     return request.param
