@@ -15,6 +15,7 @@ from tessera.backends.cpu.cascade import Cascade, cascade_prefix, find_cascades,
 from tessera.backends.cpu.decode import DECODE_MAX_Q, DecodePlan, kernel_supports
 from tessera.backends.cpu.prefill import prefill_attention
 from tessera.dtypes import FLOAT_DTYPES
+from tessera.kv.quantized import KV_FORMATS
 
 #: A prefill with at most this many score entries (q_len * kv_len * Hq) runs in the Numba decode kernel: its fixed
 #: cost is ~20 us, the BLAS tile path's ~50 small torch ops ~0.4 ms. Measured crossover (one layer, causal, paged):
@@ -127,9 +128,9 @@ class CpuBackend:
 
     def reads_quantized_kv(self, plan: CpuPlan, fmt: str) -> bool:
         """Whether :meth:`run` takes quantized rows (``fmt``: a :data:`tessera.kv.quantized.KV_FORMATS` name) as they
-        are: decode-only steps (the Numba decode kernel reads int8 and e4m3 codes); prefill tiles and cascades read
-        floats, so for those steps the plan de-quantizes the pages it reads."""
-        return not plan.cascades and not plan.prefill_seqs
+        are: always. The decode kernel reads int8 and e4m3 codes in its loads; prefill tiles and cascade prefixes
+        de-quantize the rows they read inside the one float32 gather pass they make anyway (``kv_gather.py``)."""
+        return fmt in KV_FORMATS
 
     @staticmethod
     def _split(batch: RaggedBatch, spec: AttentionSpec) -> tuple[list[int], list[int]]:

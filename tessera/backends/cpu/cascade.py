@@ -24,10 +24,12 @@ from tessera.attention.scores import Softcap
 from tessera.attention.spec import AttentionSpec
 from tessera.attention.tiles import FULL, classify_tiles
 from tessera.backends.base import KVLayout, RaggedBatch
+from tessera.backends.cpu.kv_gather import dequantize_token_rows
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.backends.cpu.prefill import prefill_attention
 from tessera.backends.cpu.prefix_kernel import KEY_TILE, merge_prefix_parts, merge_prefix_parts_serial, shared_prefix_kernel
 from tessera.backends.cpu.simd import LANES
+from tessera.kv.quantized import QuantizedPages
 
 #: A shared prefix shorter than this is not worth a separate pass.
 MIN_PREFIX_KEYS = 256
@@ -155,9 +157,16 @@ def _prefix_by_kernel(cascade: Cascade, spec: AttentionSpec, q: torch.Tensor, k_
     lse = np.empty((parts, n, spec.num_q_heads), dtype=np.float32)
     softcap = spec.score.cap if isinstance(spec.score, Softcap) else 0.0
     qf = q if q.dtype == torch.float32 else q.float()
-    shared_prefix_kernel(qf.numpy(), storage_view(k_rows), storage_view(v_rows), cascade.q_rows.numpy(),
-                         cascade.prefix_base, cascade.block, bounds, np.float32(spec.softmax_scale),
-                         np.float32(softcap), out, lse)
+    if isinstance(k_rows, QuantizedPages):
+        # Codes: the prefix's pages de-quantized once, in one pass, into float32 token rows the kernel reads as a
+        # contiguous prefix (the pass reads D + 2 bytes per key and head; the kernel's work is compute-bound)
+        rows = (cascade.prefix_base[:, None] + np.arange(cascade.block, dtype=np.int64)).reshape(-1)
+        k_src, v_src = dequantize_token_rows(k_rows, rows).numpy(), dequantize_token_rows(v_rows, rows).numpy()
+        prefix_base = np.arange(len(cascade.prefix_base), dtype=np.int64) * cascade.block
+    else:
+        k_src, v_src, prefix_base = storage_view(k_rows), storage_view(v_rows), cascade.prefix_base
+    shared_prefix_kernel(qf.numpy(), k_src, v_src, cascade.q_rows.numpy(), prefix_base, cascade.block, bounds,
+                         np.float32(spec.softmax_scale), np.float32(softcap), out, lse)
     return out, lse
 
 

@@ -41,6 +41,7 @@ from tessera.backends.base import KVLayout, RaggedBatch
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.kv_gather import gather_heads
 from tessera.backends.cpu.softmax_kernel import online_softmax_tile
+from tessera.kv.quantized import QuantizedPages
 from tessera.tuning import tuned
 
 #: Query positions per tile (the default of the ``prefill_q_tile`` tunable); with G query heads per KV head the GEMM
@@ -114,7 +115,8 @@ def prefill_attention(
     Parameters
     ----------
     q : ``[total_q, Hq, D]``; k_rows, v_rows : ``[rows, Hkv, D]`` token rows addressed by ``layout`` (a ragged batch
-        or a paged cache); float32, bfloat16 or float16.
+        or a paged cache); float32, bfloat16 or float16, or both quantized
+        (:class:`~tessera.kv.quantized.QuantizedPages`, read as codes).
     seqs : indices of the sequences to run.
     out : float32 ``[total_q, Hq, D]`` and lse : float32 ``[total_q, Hq]`` (without sinks).
     """
@@ -148,11 +150,14 @@ def _prepare(q, k_rows, v_rows, batch: RaggedBatch, layout: KVLayout, s: int, sp
     q_lo, q_hi = tile_bounds(kl - ql, kl, tuned("prefill_q_tile", None, Q_TILE))
     kv_lo, kv_hi = tile_bounds(0, kl, KV_CLASSIFY_TILE)
     v = gather_heads(v_rows, rows)
+    # Quantized rows arrive as codes (de-quantized in the gather): P.V follows q's dtype then, and v's one rounding
+    # to bf16 is the value a bf16 de-quantization of the page holds. Float rows: exact, v was widened from bf16.
+    storage = q.dtype if isinstance(v_rows, QuantizedPages) else v_rows.dtype
     return _Sequence(
         index=s, q=q[qs : qs + ql],
         k=gather_heads(k_rows, rows),
         v=v,
-        v_bf16=v.to(torch.bfloat16) if _bf16_pv(v_rows.dtype) else None,  # exact: v was widened from bf16
+        v_bf16=v.to(torch.bfloat16) if _bf16_pv(storage) else None,
         out_rows=qs, q_start=kl - ql, q_lo=q_lo, q_hi=q_hi, kv_lo=kv_lo, kv_hi=kv_hi,
         classes=classify_tiles(spec.mask, s, q_lo, q_hi, kv_lo, kv_hi),
     )
