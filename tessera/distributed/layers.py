@@ -1,4 +1,5 @@
-"""The row-parallel projection and the vocabulary-parallel table of a shard (:mod:`tessera.models.parallel`)."""
+"""The row-parallel projection, the vocabulary-parallel table and the expert-parallel MoE block of a shard
+(:mod:`tessera.models.parallel`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from tessera import kernels as K
 from tessera.distributed.comm import Communicator
 from tessera.distributed.sharding import RankShard
 from tessera.distributed.slicing import AnyWeight
-from tessera.models.parallel import ParallelLinear, ParallelTable
+from tessera.models.parallel import ParallelExperts, ParallelLinear, ParallelTable
 
 
 class RowParallelLinear(ParallelLinear):
@@ -72,14 +73,94 @@ class VocabParallelTable(ParallelTable):
         return VocabParallelTable(self.table.to(device), self.start, self.ranges, self.comm)
 
 
+class ExpertParallelMoE(ParallelExperts):
+    """Experts ``[first, first + E_local)`` of a sparse MoE block: the whole router's choice, this rank's experts,
+    and one all-reduce.
+
+    Every rank routes with the whole (replicated) router, so all pick the same top-k experts with the same weights;
+    each runs only the token copies sent to its own experts, weighs them, adds its slice of the shared expert, and
+    one all-reduce of the float32 partial sums completes the block (the sum is rounded to the model dtype once, as
+    the single-process kernel rounds its combine).
+
+    Parameters
+    ----------
+    gate_up : ``[E_local, 2I, H]``, this rank's experts (``E_local`` is 0 on a rank past the last expert).
+    first : the global id of its first expert.
+    comm : the rank's communicator.
+    """
+
+    def __init__(self, gate_up: torch.Tensor, first: int, comm: Communicator) -> None:
+        self.gate_up, self.first, self.comm = gate_up, first, comm
+        self.shape = tuple(gate_up.shape)
+
+    def moe_mlp(self, x: torch.Tensor, down: torch.Tensor, router_logits: torch.Tensor, top_k: int, mode: str,
+                renormalize: bool, *, shared: K.SharedExpert | None = None, backend: str = "auto") -> torch.Tensor:
+        out = routed_partial(x, self.gate_up, down, router_logits, top_k, mode, renormalize, self.first, backend)
+        if shared is not None:
+            out += shared_partial(x, shared, backend)
+        return self.comm.all_reduce(out).to(x.dtype)
+
+    def to(self, device: str | torch.device) -> ExpertParallelMoE:
+        return ExpertParallelMoE(self.gate_up.to(device), self.first, self.comm)
+
+
+def routed_partial(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, router_logits: torch.Tensor,
+                   top_k: int, mode: str, renormalize: bool, first: int, backend: str) -> torch.Tensor:
+    """Float32 ``[T, H]``: ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` over the ``j`` whose expert is local.
+
+    Parameters
+    ----------
+    x : ``[T, H]`` float.
+    gate_up, down : ``[E_local, 2I, H]`` and ``[E_local, H, I]``, experts ``first ..`` in x's dtype.
+    router_logits : ``[T, E]``, the whole router's (every expert's) logits.
+    top_k, mode, renormalize : as :func:`tessera.kernels.route`.
+    first : the global id of ``gate_up[0]``.
+    backend : kernel backend.
+    """
+    local = int(gate_up.shape[0])
+    if local == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    weights, ids = K.route(router_logits, top_k, mode=mode, renormalize=renormalize, backend=backend)
+    mine = (ids >= first) & (ids < first + local)
+    # copies routed to other ranks' experts go to one extra bucket, which permute sorts last and nothing computes
+    xs, offsets, inverse = K.permute(x, torch.where(mine, ids - first, local), local + 1, backend=backend)
+    rows = int(offsets[local])
+    if rows == 0:
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    bounds = offsets[:local + 1]
+    h = K.grouped_matmul(xs[:rows], gate_up, bounds, backend=backend)
+    ys = torch.zeros(xs.shape, dtype=torch.float32, device=x.device)  # the extra bucket's rows add zero
+    ys[:rows] = K.grouped_matmul(K.silu_and_mul(h, backend=backend), down, bounds, backend=backend)
+    return K.combine(ys, weights, inverse, backend=backend)
+
+
+def shared_partial(x: torch.Tensor, shared: K.SharedExpert, backend: str) -> torch.Tensor:
+    """Float32 ``[T, H]``: this rank's slice of the shared expert (its intermediate features), times the shared
+    sigmoid gate. The gate is one factor per token, so the ranks' slices sum to the whole shared expert."""
+    from tessera.models.layers import linear
+
+    act = K.silu_and_mul(linear(x, shared.gate_up, None, backend), backend=backend)
+    out = linear(act, shared.down, None, backend).float()
+    if shared.gate is None:
+        return out
+    return torch.sigmoid(x.float() @ shared.gate.float()).unsqueeze(-1) * out
+
+
 def bind(weights: dict[str, AnyWeight], shard: RankShard, vocab_ranges: list[tuple[int, int]],
          comm: Communicator) -> dict:
-    """A rank's plain shard (:func:`tessera.distributed.sharding.shard_weights`) with its row-parallel projections
-    and token tables wrapped in the collectives that complete them."""
+    """A rank's plain shard (:func:`tessera.distributed.sharding.shard_weights`) with its row-parallel projections,
+    token tables and experts wrapped in the collectives that complete them.
+
+    A shared expert's down projection stays plain: its partial sum joins the MoE block's all-reduce
+    (:class:`ExpertParallelMoE`), and ``experts.down`` is passed to that block as it is.
+    """
     out: dict = {}
     for name, w in weights.items():
-        if name.endswith(".o.weight") or name.endswith(".down.weight"):
+        kind = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        if kind in ("o.weight", "down.weight"):
             out[name] = RowParallelLinear(w, comm)
+        elif kind == "experts.gate_up":
+            out[name] = ExpertParallelMoE(w, shard.experts[0], comm)
         elif name in ("embed", "lm_head"):
             out[name] = VocabParallelTable(w, shard.vocab[0], vocab_ranges, comm)
         else:

@@ -1,4 +1,4 @@
-"""How a dense decoder is cut across ``world`` ranks, and each rank's weights.
+"""How a decoder is cut across ``world`` ranks, and each rank's weights.
 
 Attention is split by KV heads: each rank keeps whole GQA groups (its KV heads and the query heads that read them),
 so attention needs no communication; q/k/v rows are column-parallel, o's input columns row-parallel. When there
@@ -6,7 +6,15 @@ are fewer KV heads than ranks, each KV head is replicated on ``world / num_kv_he
 divided among them (vLLM does the same). The MLP's intermediate features are split the same way: gate/up rows
 column-parallel, down's input columns row-parallel. The token table and output head are split by vocabulary rows.
 
-Splits are as even as the units allow and need not be equal: SmolLM2 has 3 KV heads, so two ranks hold 2 and 1.
+A mixture-of-experts block is split by whole experts (expert parallelism): each rank holds a contiguous range of
+experts, the router stays whole on every rank (so every rank picks the same top-k experts with the same weights),
+and each rank adds up the routed outputs of its own experts; one all-reduce per MoE layer completes the block, in
+place of the dense MLP's row-parallel one. A shared expert (Qwen2-MoE) is split like a dense MLP, and its partial
+sum joins the same all-reduce. Whole experts move, so packed expert weights would need no cut.
+
+Splits are as even as the units allow and need not be equal: SmolLM2 has 3 KV heads, so two ranks hold 2 and 1;
+3 experts over two ranks are 2 and 1. With fewer experts than ranks the last ranks hold none (they still run
+attention and the shared expert, and add zeros for the routed part).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tessera.distributed.slicing import AnyWeight, group_size, take_cols, take_rows
+from tessera.distributed.slicing import AnyWeight, group_size, take_cols, take_experts, take_rows
 from tessera.models.config import ModelConfig
 
 
@@ -25,8 +33,12 @@ class RankShard:
     Attributes
     ----------
     q_heads, kv_heads : global head numbers (contiguous, ascending).
-    intermediate : ``(start, stop)`` of the MLP's intermediate features.
+    intermediate : ``(start, stop)`` of the dense MLP's intermediate features (the whole range when the model has
+        no dense MLP layer).
     vocab : ``(start, stop)`` of the token table's rows.
+    experts : ``(start, stop)`` of the global expert ids whose weights this rank holds (``(0, 0)`` for a dense
+        model; empty when there are fewer experts than ranks).
+    shared_intermediate : ``(start, stop)`` of the shared expert's intermediate features (``(0, 0)`` without one).
     """
 
     rank: int
@@ -35,6 +47,8 @@ class RankShard:
     kv_heads: tuple[int, ...]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
+    experts: tuple[int, int] = (0, 0)
+    shared_intermediate: tuple[int, int] = (0, 0)
 
 
 def even_ranges(units: int, parts: int) -> list[tuple[int, int]]:
@@ -52,9 +66,6 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     """Raise ValueError when ``config`` cannot be split across ``world`` ranks (the message says what would)."""
     if world < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
-    if config.is_moe:
-        raise ValueError(f"tensor parallelism does not split mixture-of-experts models yet ({config.family}: "
-                         f"{config.num_experts} experts); run it with tensor_parallel_size=1")
     hq, hkv = config.num_heads, config.num_kv_heads
     if hkv < world:
         if world % hkv:
@@ -67,13 +78,14 @@ def check_shardable(config: ModelConfig, world: int) -> None:
 
 
 def plan_shards(config: ModelConfig, world: int, mlp_unit: int = 1) -> list[RankShard]:
-    """Each rank's heads, intermediate range and vocabulary range.
+    """Each rank's heads, intermediate ranges, experts and vocabulary range.
 
     Parameters
     ----------
     config : the whole model's config.
     world : number of ranks.
-    mlp_unit : the intermediate split's granularity (the down projection's quantization group; 1 for float).
+    mlp_unit : the dense intermediate split's granularity (the down projection's quantization group; 1 for float).
+        The shared expert's split has none: every loader keeps its weights float.
     """
     check_shardable(config, world)
     hq, hkv = config.num_heads, config.num_kv_heads
@@ -84,22 +96,42 @@ def plan_shards(config: ModelConfig, world: int, mlp_unit: int = 1) -> list[Rank
     else:
         per = hq // world
         heads = [(tuple(range(r * per, (r + 1) * per)), ((r * per) // group,)) for r in range(world)]
-    units = config.intermediate_size // mlp_unit
-    if config.intermediate_size % mlp_unit or units < world:
-        raise ValueError(f"{config.family}: the MLP's {config.intermediate_size} intermediate features in groups of "
-                         f"{mlp_unit} cannot be split across {world} ranks; lower tensor_parallel_size or load with "
-                         "keep_quantized=False")
-    inter = [(a * mlp_unit, b * mlp_unit) for a, b in even_ranges(units, world)]
+    if has_dense_mlp(config):
+        inter = _feature_ranges(config, "MLP", config.intermediate_size, mlp_unit, world)
+    else:  # every layer is MoE: no layer reads the dense size, so nothing is cut
+        inter = [(0, config.intermediate_size)] * world
+    experts = even_ranges(config.num_experts, world) if config.is_moe else [(0, 0)] * world
+    shared = [(0, 0)] * world
+    if config.is_moe and config.shared_expert_intermediate_size:
+        shared = _feature_ranges(config, "shared expert", config.shared_expert_intermediate_size, 1, world)
     vocab = even_ranges(config.vocab_size, world)
-    return [RankShard(r, world, heads[r][0], heads[r][1], inter[r], vocab[r]) for r in range(world)]
+    return [RankShard(r, world, heads[r][0], heads[r][1], inter[r], vocab[r], experts[r], shared[r])
+            for r in range(world)]
+
+
+def has_dense_mlp(config: ModelConfig) -> bool:
+    """Whether any layer runs the dense MLP (every layer of a dense model; Qwen2-MoE's ``dense_layers``)."""
+    return any(not config.is_moe_layer(i) for i in range(config.num_layers))
+
+
+def _feature_ranges(config: ModelConfig, what: str, size: int, unit: int, world: int) -> list[tuple[int, int]]:
+    """``[0, size)`` intermediate features cut into ``world`` ranges on multiples of ``unit``."""
+    units = size // unit
+    if size % unit or units < world:
+        raise ValueError(f"{config.family}: the {what}'s {size} intermediate features in groups of {unit} cannot be "
+                         f"split across {world} ranks; lower tensor_parallel_size or load with keep_quantized=False")
+    return [(a * unit, b * unit) for a, b in even_ranges(units, world)]
 
 
 def local_config(config: ModelConfig, shard: RankShard) -> ModelConfig:
-    """The config one rank's layers run with: its heads and intermediate features (the vocabulary stays whole:
-    token ids and logits are global)."""
+    """The config one rank's layers run with: its heads and intermediate features. The vocabulary stays whole
+    (token ids and logits are global), and so does ``num_experts``: the router is replicated and routes over every
+    expert; the rank's share of them is its weights' (:class:`tessera.distributed.layers.ExpertParallelMoE`)."""
     start, stop = shard.intermediate
+    s0, s1 = shard.shared_intermediate
     return dataclasses.replace(config, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
-                               intermediate_size=stop - start)
+                               intermediate_size=stop - start,
+                               shared_expert_intermediate_size=s1 - s0 if config.shared_expert_intermediate_size else 0)
 
 
 def _qkv_rows(config: ModelConfig, shard: RankShard) -> list[int]:
@@ -113,14 +145,14 @@ def _qkv_rows(config: ModelConfig, shard: RankShard) -> list[int]:
 def shard_weights(config: ModelConfig, weights: dict[str, AnyWeight], shard: RankShard) -> dict[str, AnyWeight]:
     """One rank's weights under the canonical names, plain (unwrapped): what is sent to a worker.
 
-    ``layers.i.o.weight`` / ``layers.i.down.weight`` hold input-column slices and ``embed`` / ``lm_head`` vocabulary
-    rows; :func:`tessera.distributed.layers.bind` wraps them with the collectives that complete them. Everything
-    else is either a row slice (q/k/v, gate/up and their biases) or replicated (norms, biases of o and down).
+    ``layers.i.o.weight`` / ``layers.i.down.weight`` / ``layers.i.shared.down.weight`` hold input-column slices,
+    ``embed`` / ``lm_head`` vocabulary rows and ``layers.i.experts.*`` the rank's whole experts;
+    :func:`tessera.distributed.layers.bind` wraps them with the collectives that complete them. Everything else is
+    either a row slice (q/k/v, gate/up, the shared expert's gate/up, and their biases) or replicated (norms, router,
+    the shared expert's sigmoid gate, biases of o and down).
     """
     d = config.head_dim
-    i0, i1 = shard.intermediate
     v0, v1 = shard.vocab
-    big_i = config.intermediate_size
     out: dict[str, AnyWeight] = {}
     for name, w in weights.items():
         parts = name.split(".")
@@ -128,12 +160,19 @@ def shard_weights(config: ModelConfig, weights: dict[str, AnyWeight], shard: Ran
         if kind in ("qkv.weight", "qkv.bias"):
             out[name] = take_rows(w, _qkv_rows(config, shard), name)
         elif kind in ("gate_up.weight", "gate_up.bias"):
-            rows = list(range(i0, i1)) + (list(range(big_i + i0, big_i + i1)) if config.gated_mlp else [])
-            out[name] = take_rows(w, rows, name)
+            out[name] = take_rows(w, _gate_up_rows(shard.intermediate, config.intermediate_size, config.gated_mlp),
+                                  name)
+        elif kind == "shared.gate_up.weight":
+            out[name] = take_rows(w, _gate_up_rows(shard.shared_intermediate, config.shared_expert_intermediate_size,
+                                                   True), name)
         elif kind == "o.weight":
             out[name] = take_cols(w, shard.q_heads[0] * d, (shard.q_heads[-1] + 1) * d, name)
         elif kind == "down.weight":
-            out[name] = take_cols(w, i0, i1, name)
+            out[name] = take_cols(w, *shard.intermediate, name)
+        elif kind == "shared.down.weight":
+            out[name] = take_cols(w, *shard.shared_intermediate, name)
+        elif kind in ("experts.gate_up", "experts.down"):
+            out[name] = take_experts(w, *shard.experts, name)
         elif kind in ("embed", "lm_head"):
             out[name] = take_rows(w, list(range(v0, v1)), name)
         else:
@@ -141,6 +180,14 @@ def shard_weights(config: ModelConfig, weights: dict[str, AnyWeight], shard: Ran
     return out
 
 
+def _gate_up_rows(features: tuple[int, int], size: int, gated: bool) -> list[int]:
+    """Rows of a fused gate|up weight (``[2 * size, H]``; ``[size, H]`` when not gated) for ``features``."""
+    i0, i1 = features
+    return list(range(i0, i1)) + (list(range(size + i0, size + i1)) if gated else [])
+
+
 def mlp_unit(weights: dict[str, AnyWeight], num_layers: int) -> int:
-    """The largest quantization group of any down projection: the intermediate split's granularity."""
-    return max(group_size(weights[f"layers.{i}.down.weight"]) for i in range(num_layers))
+    """The largest quantization group of any dense down projection: the intermediate split's granularity (1 when
+    no layer has one, as in a model whose every layer is MoE)."""
+    names = (f"layers.{i}.down.weight" for i in range(num_layers))
+    return max((group_size(weights[n]) for n in names if n in weights), default=1)

@@ -2,12 +2,14 @@
 
 A row slice (output features: column-parallel q/k/v, gate/up, vocabulary ranges) can cut anywhere, because every
 format quantizes along the input dimension only. A column slice (input features: row-parallel o and down) must
-fall on quantization-group boundaries, so that every group keeps its own scale; anything else raises.
+fall on quantization-group boundaries, so that every group keeps its own scale; anything else raises. An expert
+slice takes whole experts, so it never cuts a packed weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -77,6 +79,35 @@ def take_cols(w: AnyWeight, start: int, stop: int, name: str) -> AnyWeight:
     cut = (lambda t: None if t is None else t[:, g0:g1].contiguous())  # noqa: E731
     return dataclasses.replace(w, shape=(w.shape[0], stop - start), data=data, scales=cut(w.scales),
                                zeros=cut(w.zeros), mins=cut(w.mins))
+
+
+def take_experts(w: torch.Tensor | Sequence, start: int, stop: int, name: str) -> torch.Tensor | list:
+    """Experts ``[start, stop)`` of a stacked expert weight, whole and in the same form.
+
+    Parameters
+    ----------
+    w : float tensor ``[E, N, K]`` (``experts.gate_up`` / ``experts.down``), or a sequence of E per-expert weights
+        (packed ones stay packed: nothing inside an expert is cut).
+    start, stop : global expert ids, ``0 <= start <= stop <= E``.
+    name : the weight's canonical name, for error messages.
+
+    Returns
+    -------
+    A tensor ``[stop - start, N, K]`` with storage of its own (so a rank's copy holds only its experts, not a view
+    of every expert), or a list of ``stop - start`` weights.
+    """
+    if isinstance(w, torch.Tensor) and w.dim() == 3:
+        num = int(w.shape[0])
+    elif isinstance(w, Sequence) and not isinstance(w, torch.Tensor):
+        num = len(w)
+    else:
+        raise TypeError(f"take_experts({name}): expected a [E, N, K] tensor or a sequence of per-expert weights, got "
+                        f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}")
+    if not 0 <= start <= stop <= num:
+        raise ValueError(f"take_experts({name}): experts [{start}, {stop}) do not lie in the weight's {num} experts")
+    if isinstance(w, torch.Tensor):
+        return w[start:stop].clone(memory_format=torch.contiguous_format)
+    return list(w[start:stop])
 
 
 def group_size(w: AnyWeight) -> int:

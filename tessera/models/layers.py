@@ -19,7 +19,7 @@ from tessera import kernels as K
 from tessera.attention import AttentionSpec, attention, causal, sliding_window, softcap
 from tessera.kernels.quant import QuantizedWeight, StackedWeight
 from tessera.models.config import ModelConfig
-from tessera.models.parallel import ParallelLinear, ParallelTable
+from tessera.models.parallel import ParallelExperts, ParallelLinear, ParallelTable
 
 Weights = dict[str, "torch.Tensor | QuantizedWeight"]
 
@@ -103,8 +103,11 @@ def mlp_block(config: ModelConfig, w: Weights, i: int, h: torch.Tensor, backend:
         if config.shared_expert_intermediate_size:
             shared = K.SharedExpert(w[f"{p}.shared.gate_up.weight"], w[f"{p}.shared.down.weight"],
                                     w.get(f"{p}.shared.gate.weight"))
-        return K.moe_mlp(h, w[f"{p}.experts.gate_up"], w[f"{p}.experts.down"], router, config.experts_per_token,
-                         config.moe_routing, config.moe_renormalize, shared=shared, backend=backend)
+        experts = w[f"{p}.experts.gate_up"]
+        args = (w[f"{p}.experts.down"], router, config.experts_per_token, config.moe_routing, config.moe_renormalize)
+        if isinstance(experts, ParallelExperts):  # an expert-parallel shard: its own experts, then a sum across ranks
+            return experts.moe_mlp(h, *args, shared=shared, backend=backend)
+        return K.moe_mlp(h, experts, *args, shared=shared, backend=backend)
     up = linear(h, w[f"{p}.gate_up.weight"], w.get(f"{p}.gate_up.bias"), backend)
     if not config.gated_mlp:
         act = K.gelu(up, "tanh" if config.activation == "gelu_tanh" else "none", backend=backend)

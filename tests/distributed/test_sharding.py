@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.distributed.sharding import even_ranges, plan_shards, shard_weights
-from tessera.distributed.slicing import take_cols, take_rows
+from tessera.distributed.sharding import even_ranges, local_config, mlp_unit, plan_shards, shard_weights
+from tessera.distributed.slicing import take_cols, take_experts, take_rows
 from tessera.kernels.quant import StackedWeight, dequantize, quantize
 from tessera.models.config import ModelConfig
 
@@ -37,7 +37,8 @@ def test_fewer_kv_heads_than_ranks_replicates():
 @pytest.mark.parametrize("kw, world, words", [
     (dict(num_heads=4, num_kv_heads=2), 3, "2 KV heads cannot be shared by 3 ranks"),
     (dict(num_heads=6, num_kv_heads=1), 4, "query heads must divide by 4"),
-    (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=32), 2, "mixture-of-experts"),
+    (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=32, shared_expert_intermediate_size=1), 2,
+     "shared expert's 1 intermediate features"),
 ])
 def test_unshardable_models_are_refused(kw, world, words):
     with pytest.raises(ValueError, match=words):
@@ -92,3 +93,57 @@ def test_shards_reassemble_the_model():
     gate_up = parts[1]["layers.0.gate_up.weight"]  # rank 1: gate rows 48..95, then up rows 48..95
     assert torch.equal(gate_up, w["layers.0.gate_up.weight"][list(range(48, 96)) + list(range(144, 192))])
     assert parts[1]["final_norm.weight"] is w["final_norm.weight"]
+
+
+def _moe(**kw) -> ModelConfig:
+    return _config(num_experts=4, experts_per_token=2, moe_intermediate_size=32, **kw)
+
+
+@pytest.mark.parametrize("experts, world, ranges", [
+    (4, 2, [(0, 2), (2, 4)]),
+    (3, 2, [(0, 2), (2, 3)]),  # uneven: the first rank holds one more
+    (1, 2, [(0, 1), (1, 1)]),  # fewer experts than ranks: rank 1 holds none and adds zeros
+])
+def test_experts_split_into_contiguous_ranges(experts, world, ranges):
+    shards = plan_shards(_config(num_experts=experts, experts_per_token=1, moe_intermediate_size=32), world)
+    assert [s.experts for s in shards] == ranges
+    assert [s.q_heads for s in shards] == [(0, 1), (2, 3)]  # attention splits as in a dense model
+    assert [s.intermediate for s in shards] == [(0, 96)] * 2  # every layer is MoE: no dense MLP to cut
+
+
+def test_dense_layers_of_a_moe_model_still_split():
+    shards = plan_shards(_moe(dense_layers=(0,), num_layers=2, shared_expert_intermediate_size=40), 2)
+    assert [s.intermediate for s in shards] == [(0, 48), (48, 96)]
+    assert [s.shared_intermediate for s in shards] == [(0, 20), (20, 40)]
+    c = local_config(_moe(dense_layers=(0,), num_layers=2, shared_expert_intermediate_size=40), shards[1])
+    # the router routes over every expert on every rank; the shared expert runs its slice
+    assert (c.num_experts, c.shared_expert_intermediate_size, c.intermediate_size) == (4, 20, 48)
+
+
+def test_expert_shards_hold_whole_experts_and_the_whole_router():
+    c = _moe(shared_expert_intermediate_size=40)
+    gen = torch.Generator().manual_seed(0)
+    w = {"layers.0.router.weight": torch.randn(4, 64, generator=gen),
+         "layers.0.experts.gate_up": torch.randn(4, 64, 64, generator=gen),
+         "layers.0.experts.down": torch.randn(4, 64, 32, generator=gen),
+         "layers.0.shared.gate_up.weight": torch.randn(80, 64, generator=gen),
+         "layers.0.shared.down.weight": torch.randn(64, 40, generator=gen),
+         "layers.0.shared.gate.weight": torch.randn(64, generator=gen)}
+    parts = [shard_weights(c, w, s) for s in plan_shards(c, 2)]
+    for name in ("layers.0.experts.gate_up", "layers.0.experts.down"):
+        assert torch.equal(torch.cat([p[name] for p in parts]), w[name])
+        # a copy of its own, not a view of every expert: what a worker receives is only its experts
+        assert parts[1][name].untyped_storage().nbytes() == w[name].nbytes // 2
+    assert all(p[n] is w[n] for p in parts for n in ("layers.0.router.weight", "layers.0.shared.gate.weight"))
+    assert torch.equal(parts[1]["layers.0.shared.gate_up.weight"],
+                       w["layers.0.shared.gate_up.weight"][list(range(20, 40)) + list(range(60, 80))])
+    assert torch.equal(parts[1]["layers.0.shared.down.weight"], w["layers.0.shared.down.weight"][:, 20:])
+    assert mlp_unit(w, 1) == 1  # no dense down projection: the granularity of a float split
+
+
+def test_packed_experts_move_whole():
+    experts = [quantize(torch.randn(8, 64), "int4", group_size=32) for _ in range(3)]
+    got = take_experts(experts, 2, 3, "layers.0.experts.down")
+    assert len(got) == 1 and got[0] is experts[2]  # the packed weight itself: nothing is cut or repacked
+    with pytest.raises(ValueError, match=r"experts \[2, 4\) do not lie in the weight's 3 experts"):
+        take_experts(experts, 2, 4, "layers.0.experts.down")
