@@ -113,7 +113,6 @@ class LLM:
         self.runner = Runner(self.model, self.cache, self.block_manager, self.speculative)
         if self.tensor_parallel is not None:
             self.runner.forward_step = self.tensor_parallel.forward_step
-            self.runner.greedy_in_forward = True
         self._ids = itertools.count()
         self.last_output: RequestOutput | None = None
 

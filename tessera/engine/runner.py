@@ -30,9 +30,11 @@ class Runner:
         # the forward of one step; a tensor-parallel engine puts its own here, which runs it on every rank
         self.forward_step = self._module_forward_step
         #: pick the tokens of an all-greedy step inside the forward (``forward_step(..., greedy=True)``) rather than
-        #: from its logits: set by a tensor-parallel engine, whose ranks then exchange their best logit instead of
-        #: gathering the vocabulary. A single process gains nothing from it and keeps the sampler's path.
-        self.greedy_in_forward = False
+        #: from its logits: a tensor-parallel engine's ranks then exchange their best logit instead of gathering
+        #: the vocabulary, and a single process skips the sampler's per-step batch (its parameter tensors and a
+        #: pass over the row), ~0.1 ms of a SmolLM2 decode step, for the argmax scan. Same token: both take the
+        #: first maximal logit.
+        self.greedy_in_forward = True
         self.structured = StructuredDecoder(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
 
     @staticmethod

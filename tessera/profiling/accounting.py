@@ -166,6 +166,11 @@ def _sample_cost(logits: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Co
     return 5.0 * logits.numel(), float(_nbytes(logits))
 
 
+def _argmax_cost(logits: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
+    # one comparison per logit (a greedy step's token, picked inside the forward), the logits read once
+    return float(logits.numel()), float(_nbytes(logits))
+
+
 def _all_reduce_cost(comm: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> roofline.Cost:
     # the sum travels as float32 whatever the model dtype (Communicator.all_reduce); bytes = the reduced buffer
     return 0.0, float(t.numel() * 4)
@@ -210,6 +215,7 @@ TARGETS: tuple[tuple[str, str, str, CostFn], ...] = (
     ("tessera.kernels", "lm_head", "lm_head", _lm_head_cost),
     ("tessera.kernels", "moe_mlp", "moe_mlp", _moe_cost),
     ("tessera.engine.runner", "sample", "sample", _sample_cost),
+    ("tessera.kernels", "argmax", "argmax", _argmax_cost),
     ("tessera.attention.plan", "AttentionPlan.run", "attention", _attention_cost),
     ("tessera.kv.cache", "PagedKVCache.write", "kv_cache_write", _kv_write_cost),
     # the collectives of a tensor-parallel rank (only rank 0, the engine's process, is accounted)
