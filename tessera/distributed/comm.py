@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 
+#: the value of a message key that announces the end of the group instead of a message (:meth:`Communicator.abort`)
+ABORTED = b"aborted"
+
+
 class TensorParallelError(RuntimeError):
     """A rank failed (died, hung past the timeout, or raised); the tensor-parallel engine cannot continue."""
 
@@ -98,7 +102,8 @@ class Communicator:
 
     def next_message(self, obj: object = None) -> object:
         """Rank 0: publish that message ``n`` is coming, then broadcast ``obj``. Workers: wait for it (as long as
-        the engine idles, up to the idle timeout), then receive it."""
+        the engine idles, up to the idle timeout), then receive it; raise :class:`TensorParallelError` when rank 0
+        announced :meth:`abort` instead."""
         key = f"tessera/tp/message/{self.num_messages}"
         if self.rank == 0:
             self.store.set(key, b"1")
@@ -106,8 +111,17 @@ class Communicator:
                 self.store.delete_key(f"tessera/tp/message/{self.num_messages - 1}")
         else:
             self.store.wait([key], self.idle_timeout)
+            if self.store.get(key) == ABORTED:
+                raise TensorParallelError("rank 0 ended the tensor-parallel group after a failure (its error names "
+                                          "the rank that failed)")
         self.num_messages += 1
         return self.broadcast_object(obj)
+
+    def abort(self) -> None:
+        """Rank 0, instead of a next message: wake every idle worker with the news that the group has ended, so
+        that a worker rank 0 cannot kill (one started by torchrun) exits instead of waiting for a step that never
+        comes. A worker stuck in a collective learns it from the group's timeout instead."""
+        self.store.set(f"tessera/tp/message/{self.num_messages}", ABORTED)
 
 
 def first_best(candidates: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -90,13 +91,20 @@ def worker_main(spec: WorkerSpec, weights: dict) -> None:
     """The body of a spawned worker rank (the target of its process)."""
     die_with_parent()
     set_threads(spec.threads)
-    from datetime import timedelta
+    serve_steps(spec, weights, f"pid {os.getpid()}")
 
-    store = dist.TCPStore(spec.host, spec.port, spec.world, is_master=False,
-                          timeout=timedelta(seconds=spec.compute_timeout_s))
-    store.set(f"{JOINED_KEY}/{spec.rank}", b"1")
-    dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world,
-                            timeout=timedelta(seconds=spec.compute_timeout_s))
+
+def serve_steps(spec: WorkerSpec, weights: dict, label: str) -> None:
+    """Join rank 0's store and the group, build this rank's model and KV cache from ``weights`` (its plain shard),
+    then run every step rank 0 sends until it sends stop; leaves the group on the way out.
+
+    ``label`` (how rank 0 names this process in its errors, e.g. ``"pid 1234 on node-b"``) is the value of this
+    rank's joined key.
+    """
+    timeout = timedelta(seconds=spec.compute_timeout_s)
+    store = dist.TCPStore(spec.host, spec.port, spec.world, is_master=False, timeout=timeout)
+    store.set(f"{JOINED_KEY}/{spec.rank}", label.encode())
+    dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world, timeout=timeout)
     try:
         comm = Communicator(spec.rank, spec.world, store, spec.idle_timeout_s)
         model = Model(spec.config, bind(weights, spec.shard, spec.vocab_ranges, comm), backend=spec.backend)

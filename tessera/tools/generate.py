@@ -128,6 +128,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.verbose:
         print(_breakdown(phases, load_times, clock, out, getattr(args, "owns_process", False)), file=sys.stderr)
     if getattr(args, "owns_process", False):
+        # os._exit skips the engine's finalizer: stop tensor-parallel workers here, so that ranks started by
+        # torchrun get their stop message and exit with status 0 instead of losing rank 0 (no-op for one process)
+        llm.shutdown()
         _exit_now()
     return 0
 
