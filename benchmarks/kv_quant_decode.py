@@ -3,8 +3,10 @@
 Batch 8, every sequence 4096 keys (``--kv-len``), Hq=32, Hkv=8, D=128, page size 16, pages shuffled through the
 pool; the same K/V values stored as fp32, bf16, int8 and fp8 e4m3 (a float16 scale per token and head). The four
 runs are timed round-robin (``attention_cpu.time_interleaved``), so the ratios hold on a shared machine even when the
-absolute times move. Reports tokens/s (the batch's queries per second of one layer), the KV bytes each read, the
-GB/s that makes, and each format's speed over bf16's.
+absolute times move. ``int8`` runs the ``kv_qk`` variant chosen for this CPU (int8 Q.K dot products with VNNI);
+``int8/float-qk`` is the same pages with ``kv_qk=portable`` forced (codes widened to float32), timed in the same
+round-robin, so the two Q.K paths compare on equal terms. Reports tokens/s (the batch's queries per second of one
+layer), the KV bytes each read, the GB/s that makes, and each format's speed over bf16's.
 
 Usage::
 
@@ -31,7 +33,25 @@ from tessera.bench.machine import fingerprint
 from tessera.bench.suites.paged import D, HKV, HQ, PAGE, make_batch
 from tessera.kv.quantized import QuantizedPages, bytes_per_token, quantize_kv
 
-FORMATS = ("float32", "bfloat16", "int8", "fp8_e4m3")
+FORMATS = ("float32", "bfloat16", "int8", "int8/float-qk", "fp8_e4m3")
+#: extra rows: (storage format, TESSERA_CPU_VARIANTS while it runs)
+FORCED = {"int8/float-qk": ("int8", "kv_qk=portable")}
+
+
+def forcing(fn, setting: str):
+    """``fn`` run with ``TESSERA_CPU_VARIANTS=setting`` (the variant choice is read per call and cached per setting,
+    so switching costs microseconds)."""
+    def run():
+        old = os.environ.get("TESSERA_CPU_VARIANTS")
+        os.environ["TESSERA_CPU_VARIANTS"] = setting
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["TESSERA_CPU_VARIANTS"]
+            else:
+                os.environ["TESSERA_CPU_VARIANTS"] = old
+    return run
 
 
 def pools(k: torch.Tensor, v: torch.Tensor, fmt: str):
@@ -47,13 +67,16 @@ def run(batch: int, kv_len: int, reps: int) -> dict[str, Any]:
     q, k, v, table = make_batch(kv_lens, q_lens, torch.float32, gen)
     spec = AttentionSpec(HQ, HKV, D, mask=causal())
     p = plan(spec, q_lens, kv_lens, table, PAGE, backend="cpu")
-    stores = {fmt: pools(k, v, fmt) for fmt in FORMATS}
+    stores = {fmt: pools(k, v, fmt) for fmt in FORMATS if fmt not in FORCED}
+    stores.update({fmt: stores[base] for fmt, (base, _) in FORCED.items()})
     # queries in bf16 for the bf16 and quantized pools (a bf16 model's), fp32 for fp32 pages
     queries = {fmt: q if fmt == "float32" else q.to(torch.bfloat16) for fmt in FORMATS}
-    times, outs = time_interleaved({fmt: (lambda f=fmt: p.run(queries[f], *stores[f])) for fmt in FORMATS}, reps)
+    calls = {fmt: (lambda f=fmt: p.run(queries[f], *stores[f])) for fmt in FORMATS}
+    calls.update({fmt: forcing(calls[fmt], setting) for fmt, (_, setting) in FORCED.items()})
+    times, outs = time_interleaved(calls, reps)
     rows = []
     for fmt in FORMATS:
-        storage = None if fmt in ("float32", "bfloat16") else fmt
+        storage = None if fmt in ("float32", "bfloat16") else FORCED.get(fmt, (fmt,))[0]
         dtype = getattr(torch, fmt) if storage is None else torch.bfloat16
         kv_bytes = batch * kv_len * bytes_per_token(HKV, D, dtype, storage)
         err = float((outs[fmt].float() - outs["float32"]).abs().max() / outs["float32"].abs().max())

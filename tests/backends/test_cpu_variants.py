@@ -77,6 +77,44 @@ def test_a_variant_missing_a_feature_is_never_chosen(monkeypatch) -> None:
     assert variants.choose("qgemv").name == "vnni512"
 
 
+def test_kv_qk_selection_and_forcing(monkeypatch) -> None:
+    """The int8 Q.K decode family: the 512-bit rows with AVX512-VNNI (+BW, VL), the 256-bit ones with AVX-VNNI, the
+    float path elsewhere; ``portable`` forces the float path, and ``tessera info`` lists the family."""
+    _fake_features(monkeypatch, AVX512_VNNI)
+    assert variants.choose("kv_qk").name == "vnni512"
+    _fake_features(monkeypatch, {"avx2", "avxvnni"})
+    assert variants.choose("kv_qk").name == "vnni"
+    _fake_features(monkeypatch, {"avx2", "avx512f"})
+    assert variants.choose("kv_qk").name == "portable"
+    row = next(r for r in variants.explain() if r["family"] == "kv_qk")
+    assert row["chosen"] == "portable" and row["passed_over"][0].startswith("vnni512: lacks")
+    _fake_features(monkeypatch, AVX512_VNNI | {"avxvnni"})
+    _force(monkeypatch, "kv_qk=vnni")
+    assert variants.choose("kv_qk").name == "vnni" and variants.choose("qgemv").name == "vnni512"
+    _force(monkeypatch, "portable")
+    assert variants.choose("kv_qk").name == "portable"
+    _fake_features(monkeypatch, {"avx2"})
+    _force(monkeypatch, "kv_qk=vnni512")
+    with pytest.raises(RuntimeError, match="kv_qk=vnni512"):
+        variants.choose("kv_qk")
+
+
+def test_kv_qk_variant_is_part_of_the_kernel_signature(monkeypatch) -> None:
+    """Each int8 Q.K variant reaches the kernels as its own ISA token, an argument of its own Numba type, so each is
+    its own compiled specialization: forcing one never reuses another's machine code from the on-disk cache (whose
+    directory is keyed only by what changes the float vector width)."""
+    from numba import typeof
+
+    from tessera.backends.cpu import decode_qk8
+    from tessera.backends.cpu.ops._int8_simd import TOKENS
+
+    assert typeof(TOKENS["vnni512"]) != typeof(TOKENS["vnni"])
+    codes = np.zeros((1, 1, 128), np.int8)
+    for name in variants.available("kv_qk"):
+        _force(monkeypatch, f"kv_qk={name}")
+        assert decode_qk8.qk_token(codes, 128) is (None if name == "portable" else TOKENS[name])
+
+
 def test_isa_cap_imitates_older_machines(monkeypatch) -> None:
     monkeypatch.setenv("TESSERA_ISA", "baseline")
     assert isa.features() == frozenset() and variants.choose("qgemv").name == "portable"

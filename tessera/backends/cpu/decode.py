@@ -32,6 +32,7 @@ from tessera.backends.cpu.decode_kernel import (
     merge_parts_kernel,
     merge_parts_serial,
 )
+from tessera.backends.cpu.decode_qk8 import decode_q8_kernel, decode_q8_serial, qk_token, quantize_queries
 from tessera.backends.cpu.kernel_args import DecodeSchedule
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.kv.quantized import QuantizedPages
@@ -255,8 +256,15 @@ class DecodePlan:
             ks, vs = storage_view(k_rows.scales), storage_view(v_rows.scales)
         else:
             k, v, ks, vs = storage_view(k_rows), storage_view(v_rows), NO_SCALES, NO_SCALES
-        kernel = decode_attention_serial if self.serial else decode_attention_kernel
-        kernel(qn, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(self.schedule))
+        token = qk_token(k, self.head_dim)  # int8 codes on a CPU with VNNI: Q.K in int8 dot products (kv_qk)
+        if token is not None:
+            sch = self.schedule
+            qcodes, qscale, qcorr = quantize_queries(qn, sch.scale, sch.seq_q_start, sch.seq_q_len)
+            kernel = decode_q8_serial if self.serial else decode_q8_kernel
+            kernel(qcodes, qscale, qcorr, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(sch), token)
+        else:
+            kernel = decode_attention_serial if self.serial else decode_attention_kernel
+            kernel(qn, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(self.schedule))
         if self.direct:
             return
         sch = self.schedule

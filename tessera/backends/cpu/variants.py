@@ -93,6 +93,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                 "as amx_bf16, torch's bf16 GEMM on AVX512-BF16 dot products (VDPBF16PS)"),
         Variant("fp32", frozenset(), "P and V in float32 through NumPy's BLAS sgemm, as for every other dtype"),
     )),
+    Family("kv_qk", "Q.K of decode attention over an int8 KV cache (fp8 and float KV caches always run the float "
+                    "path)", (
+        Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
+                "each query row quantized to int8 per step (one float32 scale per token and head); 64 products per "
+                "512-bit VPDPBUSD of the key codes biased to unsigned (k ^ 0x80) against the query codes, the bias "
+                "removed as 128 * sum(q); head dims that are a multiple of 64"),
+        Variant("vnni", frozenset({"avx2", "avxvnni"}),
+                "as vnni512 with the 256-bit VPDPBUSD (AVX-VNNI); head dims that are a multiple of 32"),
+        Variant("portable", frozenset(),
+                "key codes widened to float32 and FMA'd against the float32 query (no query rounding)"),
+    )),
     Family("simd", "vector width of the explicit-SIMD attention micro-kernels (decode, shared-prefix pass)", (
         Variant("avx512", frozenset({"avx512f"}), "16 float32 lanes per vector (one zmm)"),
         Variant("lanes8", frozenset(), "8 float32 lanes per vector (one ymm; LLVM splits it on narrower CPUs)"),
