@@ -9,9 +9,9 @@ rounding (LLVM may vectorize a fastmath reduction in another order where a row k
 between them is gone. Intermediates are rounded to the model's storage dtype exactly where the per-op path
 stores a tensor (a GEMV result, a bias add, a norm, RoPE, the attention output).
 
-The layer is eleven phases: four GEMVs, whose output rows are split into chunks of :data:`CLAIM_ROWS`; the
-attention, whose work items (a sequence, or a part of a long one) and then sequences (merging the parts, preparing
-o's input row) are claimed the same way; and the small serial steps between them (input quantization, q/k norms,
+The layer is eleven phases: four GEMVs, whose output rows are split into :data:`CLAIMS_PER_WORKER` chunks per
+worker; the attention, whose work items (a sequence, or a part of a long one) and then sequences (merging the
+parts, preparing o's input row) are claimed the same way; and the small serial steps between them (input quantization, q/k norms,
 RoPE and the cache write, residuals and norms, the gated activation).
 With ``n_workers > 1`` the phases run inside *one* parallel region: every worker claims chunks from an atomic
 counter per phase and waits until the phase's chunks are all done before the next phase
@@ -57,10 +57,15 @@ from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
 from tessera.backends.cpu.ops.rope import _rotate_item
 
-#: output rows per claimed GEMV chunk when several workers share a layer (a multiple of the float row kernel's 4-row
-#: blocks): each claim costs ~0.3 us (a call, an atomic, the row kernel's setup), so 128 rows (~5 us of SmolLM2's
-#: gate/up) keep that near 5% while the last chunk leaves a worker idle for at most ~5 us
-CLAIM_ROWS = 128
+#: GEMV output-row chunks per worker when several workers share a layer: each GEMV is cut into
+#: ``workers * CLAIMS_PER_WORKER`` chunks (at least MIN_CLAIM_ROWS rows, a multiple of the float row kernel's 4-row
+#: blocks), claimed through an atomic counter. Few long chunks keep each worker's weight reads one long stream
+#: (likely what the hardware prefetchers and the row kernels' fixed-distance software prefetch, which runs into the
+#: next chunk's rows at a chunk's end, serve best); two per worker still let one take over when the other is late.
+#: 1B Q4_0 decode (22 layers, 2 threads, Zen 5, 2026-12-05): chunks of 128 rows 49.7-50.2 tok/s, 512 rows
+#: 51.1-52.1, in alternating runs.
+CLAIMS_PER_WORKER = 2
+MIN_CLAIM_ROWS = 64
 #: multiply-adds of a step's biggest GEMV from which the layer runs over all threads: the default of the
 #: ``fused_parallel_work`` tunable (:mod:`tessera.backends.cpu.tunables_fused_layer` measures it)
 PARALLEL_WORK = 1 << 18
@@ -268,9 +273,11 @@ def _finish_serial(sync, phase):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _rows_phase(sync, phase, inp, w, b, acc, out, isa, claim_rows):  # pragma: no cover - compiled
-    """A GEMV phase: claim chunks of ``claim_rows`` output rows until none is left, then wait for the rest."""
+def _rows_phase(sync, phase, inp, w, b, acc, out, isa, n_claims):  # pragma: no cover - compiled
+    """A GEMV phase: cut the output rows into about ``n_claims`` chunks, claim chunks until none is left, then wait
+    for the rest."""
     n_rows = acc.shape[1]
+    claim_rows = max(MIN_CLAIM_ROWS, ((n_rows + n_claims - 1) // n_claims + 3) // 4 * 4)
     chunks = (n_rows + claim_rows - 1) // claim_rows
     while True:
         c = atomics.fetch_add(sync, 2 * phase, 1)
@@ -385,9 +392,9 @@ def _attention_rows_phase(sync, phase, part_out, part_lse, att, lse, schedule, a
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                  bufs, claim_rows):  # pragma: no cover - compiled
+                  bufs, n_claims):  # pragma: no cover - compiled
     """One worker's share of the layer (see the module docstring); every worker runs this with the same arguments.
-    ``bufs``: :class:`LayerBuffers`; ``claim_rows``: GEMV output rows per claim (a single worker claims each GEMV
+    ``bufs``: :class:`LayerBuffers`; ``n_claims``: chunks each GEMV is cut into (1: a single worker claims each GEMV
     whole)."""
     qkv_w, qkv_b, o_w, o_b = weights.qkv_w, weights.qkv_b, weights.o_w, weights.o_b
     gate_up_w, gate_up_b, down_w, down_b = weights.gate_up_w, weights.gate_up_b, weights.down_w, weights.down_b
@@ -407,7 +414,7 @@ def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
         _fill_input(h, qkv_w, isa, qkv_in)
         _finish_serial(sync, 0)
     _wait(sync, 0, 1)
-    _rows_phase(sync, 1, qkv_in, qkv_w, qkv_b, qkv_acc, qkv, isa, claim_rows)
+    _rows_phase(sync, 1, qkv_in, qkv_w, qkv_b, qkv_acc, qkv, isa, n_claims)
     # --- split, q/k norm, RoPE, cache write; attention over the paged cache, item by item over the workers; each
     # sequence's parts merged, rounded and prepared as o's input
     if _claim_serial(sync, 2):
@@ -417,7 +424,7 @@ def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
     _wait(sync, 2, 1)
     _attention_items_phase(sync, 3, qf, k_rows, v_rows, kv_quant, part_out, part_lse, schedule)
     _attention_rows_phase(sync, 4, part_out, part_lse, att, lse, schedule, att_s, o_w, isa, o_in)
-    _rows_phase(sync, 5, o_in, o_w, o_b, o_acc, a_out, isa, claim_rows)
+    _rows_phase(sync, 5, o_in, o_w, o_b, o_acc, a_out, isa, n_claims)
     # --- post-attention norm, residual + MLP norm, gate/up projection
     if _claim_serial(sync, 6):
         a_res = _norm_rows(a_out, post_attn_w, w_offset, eps) if post_attn_w.shape[0] > 0 else a_out
@@ -426,7 +433,7 @@ def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
         _fill_input(h2, gate_up_w, isa, gu_in)
         _finish_serial(sync, 6)
     _wait(sync, 6, 1)
-    _rows_phase(sync, 7, gu_in, gate_up_w, gate_up_b, gu_acc, gu, isa, claim_rows)
+    _rows_phase(sync, 7, gu_in, gate_up_w, gate_up_b, gu_acc, gu, isa, n_claims)
     # --- gated activation, down projection
     if _claim_serial(sync, 8):
         chunks = (act.shape[1] + ACT_CHUNK - 1) // ACT_CHUNK
@@ -435,7 +442,7 @@ def _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
         _fill_input(act, down_w, isa, down_in)
         _finish_serial(sync, 8)
     _wait(sync, 8, 1)
-    _rows_phase(sync, 9, down_in, down_w, down_b, down_acc, m, isa, claim_rows)
+    _rows_phase(sync, 9, down_in, down_w, down_b, down_acc, m, isa, n_claims)
     # --- post-MLP norm, residual + the next layer's norm
     if _claim_serial(sync, 10):
         m_res = _norm_rows(m, post_mlp_w, w_offset, eps) if post_mlp_w.shape[0] > 0 else m
@@ -513,11 +520,11 @@ def _unflat_weights(f):  # pragma: no cover - compiled
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                bufs, claim_rows):  # pragma: no cover - compiled
+                bufs, n_claims):  # pragma: no cover - compiled
     """:func:`_layer_worker` with the weights as :class:`FlatLayerWeights`, for the parallel region; it rebuilds the
     :class:`LayerWeights` with the types the serial kernel passes, so both share one compiled ``_layer_worker``."""
     _layer_worker(x, h, _unflat_weights(flat), norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots,
-                  schedule, isa, bufs, claim_rows)
+                  schedule, isa, bufs, n_claims)
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
@@ -582,7 +589,7 @@ def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_r
     # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
     # _layer_worker a second time for the parallel kernel's call (~30 s).
     _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                  bufs, np.int64(1 << 30))
+                  bufs, np.int64(1))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -598,10 +605,10 @@ def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v
     bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0],
                     _rows_per_item(schedule, config.num_q_heads), isa)
     flat = _flat_weights(weights)
-    claim_rows = np.int64(CLAIM_ROWS)  # see _serial_layer
+    n_claims = np.int64(n_workers * CLAIMS_PER_WORKER)  # see _serial_layer
     for _ in prange(n_workers):
         _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                    bufs, claim_rows)
+                    bufs, n_claims)
 
 
 #: ``kv_quant`` of a cache in the model's dtype: no scales, and top / unit unused
