@@ -17,12 +17,18 @@ split_qkv -> rope on q and k, to turn into ``tessera.matmul_rope``. Weights are 
 their canonical weight names (``l{i}_qkv`` for ``layers.{i}.qkv.weight``), with shapes from the config; the token
 count ``T`` is fixed (an int) or dynamic (None).
 
+Packed projections: given the model's weights (``capture_layer(..., weights=model.weights)``), a projection whose
+weight is a ``QuantizedWeight`` in int8, int4 or int4_min (GGUF Q8_0 / Q4_0 / Q4_1 load as those) becomes
+``tessera.qmatmul`` of its codes, scales and zero points or mins, each a function argument (``l0_qkv``,
+``l0_qkv_scales``, ``l0_qkv_zeros``; :mod:`tessera.mlir.packed`). The fusion passes match ``tessera.matmul`` only,
+so a packed projection keeps its norm, activation and residual as separate ops.
+
 Switches this capture cannot express raise ``NotImplementedError`` naming the ``ModelConfig`` field.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from xdsl.builder import Builder, InsertPoint
 from xdsl.dialects import func
@@ -30,6 +36,7 @@ from xdsl.dialects.builtin import BFloat16Type, Float16Type, ModuleOp, f32, i64
 from xdsl.ir import Attribute, SSAValue
 
 from tessera.mlir import dialect as td
+from tessera.mlir import packed
 from tessera.models.config import ModelConfig
 
 #: element types by name
@@ -73,13 +80,30 @@ def rope_attrs(config: ModelConfig, layer: int) -> tuple[float, int]:
     return theta, rotary
 
 
-def layer_weight_types(config: ModelConfig, layer: int, element: Attribute) -> list[tuple[str, Attribute]]:
-    """``(argument name, tensor type)`` of layer ``layer``'s weights, in argument order."""
+#: the layer's projections, which may come packed (argument ``l{i}_qkv`` is weight ``layers.{i}.qkv.weight``)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def layer_weight_types(config: ModelConfig, layer: int, element: Attribute,
+                       weights: Mapping[str, object] | None = None) -> list[tuple[str, Attribute]]:
+    """``(argument name, tensor type)`` of layer ``layer``'s weights, in argument order.
+
+    A projection whose weight in ``weights`` (canonical names, ``layers.{i}.qkv.weight``) is packed takes its
+    ``tessera.qmatmul`` operands instead of one float argument (:mod:`tessera.mlir.packed`).
+    """
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     p = f"l{layer}_"
-    return [(p + "attn_norm", td.tensor([h], element)), (p + "qkv", td.tensor([config.qkv_rows, h], element)),
-            (p + "o", td.tensor([h, config.num_heads * d], element)), (p + "mlp_norm", td.tensor([h], element)),
-            (p + "gate_up", td.tensor([2 * inter, h], element)), (p + "down", td.tensor([h, inter], element))]
+    shapes = {"attn_norm": [h], "qkv": [config.qkv_rows, h], "o": [h, config.num_heads * d], "mlp_norm": [h],
+              "gate_up": [2 * inter, h], "down": [h, inter]}
+    out: list[tuple[str, Attribute]] = []
+    for part, shape in shapes.items():
+        weight = None if weights is None else weights.get(f"layers.{layer}.{part}.weight")
+        if part in PROJECTIONS and weight is not None and packed.is_packed(weight):
+            what = f"layers.{layer}.{part}.weight"
+            out += [(p + part + suffix, t) for suffix, t in packed.operand_types(weight, what, tuple(shape))]
+        else:
+            out.append((p + part, td.tensor(shape, element)))
+    return out
 
 
 class _Emitter:
@@ -96,17 +120,42 @@ class _Emitter:
         return op
 
 
+def packed_formats(weights: Mapping[str, object] | None, layer: int) -> dict[str, tuple[str, int]]:
+    """``{argument name: (qmatmul format, group size)}`` of layer ``layer``'s packed projections in ``weights``."""
+    out = {}
+    for part in PROJECTIONS:
+        weight = None if weights is None else weights.get(f"layers.{layer}.{part}.weight")
+        if weight is not None and packed.is_packed(weight):
+            out[f"l{layer}_{part}"] = (packed.qmatmul_format(weight, f"layers.{layer}.{part}.weight"),
+                                       weight.group_size)  # type: ignore[attr-defined]
+    return out
+
+
 def _emit_layer(e: _Emitter, config: ModelConfig, i: int, x: SSAValue, positions: SSAValue,
-                w: dict[str, SSAValue], tokens: int | None, el: Attribute) -> SSAValue:
-    """One decoder layer on the residual stream ``x [T, H]``; returns the new residual stream."""
+                w: dict[str, SSAValue], tokens: int | None, el: Attribute,
+                formats: Mapping[str, tuple[str, int]] | None = None) -> SSAValue:
+    """One decoder layer on the residual stream ``x [T, H]``; returns the new residual stream. Projections named in
+    ``formats`` (see :func:`packed_formats`) are ``tessera.qmatmul`` of their packed arguments."""
     from tessera.models.layers import layer_spec
 
     hq, hkv, d, hidden = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
     eps = float(config.norm_eps)
     p = f"l{i}_"
     t = td.tensor
+    formats = formats or {}
+
+    def project(a: SSAValue, part: str, width: int, hint: str) -> SSAValue:
+        """``a @ w.T`` for projection ``part``: a qmatmul when its weight came packed (named in ``formats``)."""
+        name = p + part
+        if name not in formats:
+            return e.op(td.MatmulOp, [a, w[name]], [t([tokens, width], el)], hint).out
+        fmt, group = formats[name]
+        offsets = [w[name + s] for s in ("_zeros", "_mins") if name + s in w]
+        return e.op(td.QMatmulOp, [a, w[name], w[name + "_scales"], offsets], [t([tokens, width], el)], hint,
+                    format=fmt, group_size=group).out
+
     h = e.op(td.RmsNormOp, [x, w[p + "attn_norm"]], [x.type], "h", eps=eps).out
-    qkv = e.op(td.MatmulOp, [h, w[p + "qkv"]], [t([tokens, config.qkv_rows], el)], "qkv").out
+    qkv = project(h, "qkv", config.qkv_rows, "qkv")
     split = e.op(td.SplitQkvOp, [qkv], [t([tokens, hq, d], el), t([tokens, hkv, d], el), t([tokens, hkv, d], el)],
                  ("q", "k", "v"), num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
     theta, rotary = rope_attrs(config, i)
@@ -114,12 +163,12 @@ def _emit_layer(e: _Emitter, config: ModelConfig, i: int, x: SSAValue, positions
     k = e.op(td.RopeOp, [split.k, positions], [split.k.type], "k_rot", theta=theta, rotary_dim=rotary).out
     attn = e.op(td.AttentionOp, [q, k, split.v], [q.type], "attn", **td.attention_attrs(layer_spec(config, i))).out
     merged = e.op(td.MergeHeadsOp, [attn], [t([tokens, hq * d], el)], "attn_flat").out
-    o = e.op(td.MatmulOp, [merged, w[p + "o"]], [x.type], "o").out
+    o = project(merged, "o", hidden, "o")
     x = e.op(td.ResidualAddOp, [o, x], [x.type], "x").out
     h = e.op(td.RmsNormOp, [x, w[p + "mlp_norm"]], [x.type], "h", eps=eps).out
-    up = e.op(td.MatmulOp, [h, w[p + "gate_up"]], [t([tokens, 2 * config.intermediate_size], el)], "gate_up").out
+    up = project(h, "gate_up", 2 * config.intermediate_size, "gate_up")
     act = e.op(td.SiluAndMulOp, [up], [t([tokens, config.intermediate_size], el)], "act").out
-    down = e.op(td.MatmulOp, [act, w[p + "down"]], [t([tokens, hidden], el)], "down").out
+    down = project(act, "down", hidden, "down")
     return e.op(td.ResidualAddOp, [down, x], [x.type], "x").out
 
 
@@ -146,7 +195,8 @@ def _element(dtype: str) -> Attribute:
     return ELEMENTS[dtype]
 
 
-def capture_layer(config: ModelConfig, layer_index: int, num_tokens: int | None, dtype: str = "f32") -> ModuleOp:
+def capture_layer(config: ModelConfig, layer_index: int, num_tokens: int | None, dtype: str = "f32",
+                  weights: Mapping[str, object] | None = None) -> ModuleOp:
     """Decoder layer ``layer_index`` as ``func.func @layer_<i>``.
 
     Parameters
@@ -160,45 +210,74 @@ def capture_layer(config: ModelConfig, layer_index: int, num_tokens: int | None,
         it dynamic.
     dtype : str
         Element type of activations and weights: "f32", "bf16" or "f16".
+    weights : Mapping[str, object], optional
+        The model's weights by canonical name (``Model.weights``); only read to see which projections are packed
+        (:class:`tessera.kernels.quant.QuantizedWeight` in int8, int4 or int4_min): those become ``tessera.qmatmul``
+        with codes, scales and zeros or mins as arguments (:mod:`tessera.mlir.packed`). None: float weights.
 
     Returns
     -------
     ModuleOp
-        One function ``(x [T, H], positions [T] i64, <the layer's 6 weights>) -> [T, H]``, verified.
+        One function ``(x [T, H], positions [T] i64, <the layer's weights>) -> [T, H]``, verified.
+
+    Raises
+    ------
+    NotImplementedError
+        A packed projection in a format ``tessera.qmatmul`` has no lowering for (ggml blocks, fp8, stacked rows).
     """
     check_supported(config)
     if not 0 <= layer_index < config.num_layers:
         raise ValueError(f"capture_layer: layer_index must be in [0, {config.num_layers}), got {layer_index}")
     el = _element(dtype)
     args = [("x", td.tensor([num_tokens, config.hidden_size], el)), ("positions", td.tensor([num_tokens], i64)),
-            *layer_weight_types(config, layer_index, el)]
+            *layer_weight_types(config, layer_index, el, weights)]
     fn, e, v = _function(f"layer_{layer_index}", args)
-    out = _emit_layer(e, config, layer_index, v["x"], v["positions"], v, num_tokens, el)
+    out = _emit_layer(e, config, layer_index, v["x"], v["positions"], v, num_tokens, el,
+                      packed_formats(weights, layer_index))
     return _finish(fn, e, out)
 
 
-def capture_model(config: ModelConfig, num_tokens: int | None, dtype: str = "f32") -> ModuleOp:
+def capture_model(config: ModelConfig, num_tokens: int | None, dtype: str = "f32",
+                  weights: Mapping[str, object] | None = None) -> ModuleOp:
     """The whole forward as ``func.func @forward``: ``(ids [T] i64, positions [T] i64, embed [V, H], <6 weights
     per layer>, final_norm [H], [lm_head [V, H] when not tied]) -> logits [T, V]`` (in ``dtype``), verified.
 
     Each layer reads the residual stream the previous one returns; logits are ``matmul(rms_norm(x), head)``, with
-    the token table as the head when ``tie_embeddings``.
+    the token table as the head when ``tie_embeddings``. ``weights`` (the model's, by canonical name) makes packed
+    projections ``tessera.qmatmul`` as in :func:`capture_layer`, and a packed ``lm_head`` (untied, or the packed
+    output copy ``requantize_model(..., tables="output")`` adds to a tied model) a qmatmul of the logits; a packed
+    token table is declined (``tessera.embed`` reads a float table).
     """
     check_supported(config, whole_model=True)
     el = _element(dtype)
     h, vocab = config.hidden_size, config.vocab_size
+    embed_w = None if weights is None else weights.get("embed")
+    if embed_w is not None and packed.is_packed(embed_w):
+        raise NotImplementedError("capture_model: the token table 'embed' is packed; tessera.embed reads a float "
+                                  "table: requantize with tables='output' (a packed lm_head, float lookups)")
+    head_w = None if weights is None else weights.get("lm_head")
+    packed_head = head_w is not None and packed.is_packed(head_w)
     args = [("ids", td.tensor([num_tokens], i64)), ("positions", td.tensor([num_tokens], i64)),
             ("embed", td.tensor([vocab, h], el))]
     for i in range(config.num_layers):
-        args += layer_weight_types(config, i, el)
+        args += layer_weight_types(config, i, el, weights)
     args.append(("final_norm", td.tensor([h], el)))
-    if not config.tie_embeddings:
+    if packed_head:
+        args += [("lm_head" + suffix, t) for suffix, t in packed.operand_types(head_w, "lm_head", (vocab, h))]
+    elif not config.tie_embeddings:
         args.append(("lm_head", td.tensor([vocab, h], el)))
     fn, e, v = _function("forward", args)
     x = e.op(td.EmbedOp, [v["ids"], v["embed"]], [td.tensor([num_tokens, h], el)], "x").out
     for i in range(config.num_layers):
-        x = _emit_layer(e, config, i, x, v["positions"], v, num_tokens, el)
+        x = _emit_layer(e, config, i, x, v["positions"], v, num_tokens, el, packed_formats(weights, i))
     normed = e.op(td.RmsNormOp, [x, v["final_norm"]], [x.type], "h", eps=float(config.norm_eps)).out
-    head = v["embed"] if config.tie_embeddings else v["lm_head"]
-    logits = e.op(td.MatmulOp, [normed, head], [td.tensor([num_tokens, vocab], el)], "logits").out
+    out_type = td.tensor([num_tokens, vocab], el)
+    if packed_head:
+        offsets = [v["lm_head" + s] for s in ("_zeros", "_mins") if "lm_head" + s in v]
+        logits = e.op(td.QMatmulOp, [normed, v["lm_head"], v["lm_head_scales"], offsets], [out_type], "logits",
+                      format=packed.qmatmul_format(head_w, "lm_head"),
+                      group_size=head_w.group_size).out  # type: ignore[union-attr]
+    else:
+        head = v["embed"] if config.tie_embeddings else v["lm_head"]
+        logits = e.op(td.MatmulOp, [normed, head], [out_type], "logits").out
     return _finish(fn, e, logits)

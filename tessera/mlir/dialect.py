@@ -10,7 +10,8 @@ Base ops (what capture emits)
 - ``tessera.embed``       ids ``[T]`` int, table ``[V, H]`` -> ``[T, H]``
 - ``tessera.rms_norm``    x ``[..., H]``, weight ``[H]`` -> like x; ``eps``
 - ``tessera.matmul``      x ``[T, K]``, w ``[N, K]`` -> ``[T, N]``
-- ``tessera.qmatmul``     x ``[T, K]``, packed ``i8`` weight, scales -> ``[T, N]``; ``format``, ``group_size``
+- ``tessera.qmatmul``     x ``[T, K]``, packed ``i8`` weight, scales[, zeros or mins] -> ``[T, N]``; ``format``
+  (int8, int4, int4_min), ``group_size``
 - ``tessera.split_qkv``   qkv ``[T, (Hq + 2 Hkv) D]`` -> q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``
 - ``tessera.rope``        x ``[T, heads, D]``, positions ``[T]`` int -> like x; ``theta``, ``rotary_dim``
 - ``tessera.attention``   q ``[T, Hq, D]``, k, v ``[S, Hkv, D]`` -> ``[T, Hq, D]``; the AttentionSpec as attributes
@@ -82,7 +83,10 @@ SCORE_KINDS: dict[str, str | None] = {"none": None, "softcap": "softcap", "alibi
 #: ``kv_layout`` values: how the kernel reads keys and values (see ``attention-layout``)
 KV_LAYOUTS = ("token", "head")
 #: ``qmatmul`` packings: weight elements per byte
-QMATMUL_FORMATS = {"int8": 1, "int4": 2}
+QMATMUL_FORMATS = {"int8": 1, "int4": 2, "int4_min": 2}
+#: ``qmatmul``'s offsets operand per format (None: the format takes none)
+QMATMUL_OFFSETS: dict[str, str | None] = {"int8": None, "int4": "zero points, i8 [N, K / group_size]",
+                                          "int4_min": "mins, [N, K / group_size] in the scales' type"}
 FLOAT_TYPES = (Float32Type, BFloat16Type, Float16Type)
 
 Dims = tuple["int | None", ...]
@@ -281,22 +285,29 @@ def _verify_matmul(c: _Check, x_value: SSAValue, w_value: SSAValue, out_value: S
 
 @irdl_op_definition
 class QMatmulOp(IRDLOperation):
-    """``x @ dequant(w).T`` with group-wise scales.
+    """``x @ dequant(w).T`` with group-wise scales, in the packings of ``tessera.kernels.quant.QuantizedWeight``.
 
-    x ``[T, K]`` float; w ``i8 [N, K]`` ("int8") or ``i8 [N, K / 2]`` ("int4": two 4-bit values per byte, low
-    nibble first); scales ``[N, K / group_size]`` f32/f16 -> ``[T, N]``.
+    x ``[T, K]`` float; scales ``[N, K / group_size]`` f32/f16 -> ``[T, N]``; ``format`` picks the packed weight
+    and the optional ``offsets`` operand:
+
+    - "int8": w ``i8 [N, K]``, ``w = q * s``; no offsets.
+    - "int4": w ``i8 [N, K / 2]`` holding unsigned nibbles (byte ``j`` of a group: element ``j`` in its low nibble,
+      element ``j + group_size / 2`` in its high one), ``w = (q - z) * s``; offsets = zero points ``i8 [N, K / G]``.
+    - "int4_min": the same nibbles, ``w = q * s + m``; offsets = mins ``[N, K / G]`` in the scales' element type.
     """
 
     name = "tessera.qmatmul"
     x = operand_def(TensorType)
     w = operand_def(TensorType)
     scales = operand_def(TensorType)
+    offsets = opt_operand_def(TensorType)
     out = result_def(TensorType)
     format = prop_def(StringAttr)
     group_size = prop_def(IntegerAttr)
     traits = traits_def(Pure())
-    irdl_options = _OPTIONS
-    assembly_format = _fmt(("x", "w", "scales"), ("out",))
+    irdl_options = _SEGMENTED
+    assembly_format = ("$x `,` $w `,` $scales (`offsets` `(` $offsets^ `:` type($offsets) `)`)? attr-dict `:` "
+                       "type($x) `,` type($w) `,` type($scales) `->` type($out)")
 
     def verify_(self) -> None:
         c = _Check(self)
@@ -310,16 +321,30 @@ class QMatmulOp(IRDLOperation):
         c.dim("result", out, 0, x[0], "x's token count")
         w = c.tensor("packed weight", self.w, 2, "i8")
         s = c.tensor("scales", self.scales, 2)
-        if not isinstance(self.scales.type.element_type, (Float32Type, Float16Type)):  # type: ignore[attr-defined]
-            c.fail(f"scales must hold f32 or f16, got {self.scales.type.element_type}")  # type: ignore[attr-defined]
+        scale_el = self.scales.type.element_type  # type: ignore[attr-defined]
+        if not isinstance(scale_el, (Float32Type, Float16Type)):
+            c.fail(f"scales must hold f32 or f16, got {scale_el}")
         k, n, per_byte = x[1], out[1], QMATMUL_FORMATS[fmt]  # type: ignore[index]
-        if k is not None and k % (group * per_byte if fmt == "int4" else group):
-            c.fail(f"K = {k} must be a multiple of group_size {group}" + (" and even for int4" if per_byte > 1 else ""))
+        if per_byte > 1 and group % 2:
+            c.fail(f"group_size must be even for {fmt} (a group's nibbles pair element j with j + G/2), got {group}")
+        if k is not None and k % group:
+            c.fail(f"K = {k} must be a multiple of group_size {group}")
         c.dim("packed weight", w, 0, n, "N, the result's width")
         c.dim("packed weight", w, 1, None if k is None else k // per_byte,
               f"K / {per_byte} for {fmt}" if per_byte > 1 else "K for int8")
         c.dim("scales", s, 0, n, "N")
         c.dim("scales", s, 1, None if k is None else k // group, f"K / group_size = {k} / {group}")
+        want = QMATMUL_OFFSETS[fmt]
+        if (self.offsets is None) != (want is None):
+            c.fail(f"format {fmt!r} takes " + (f"an offsets operand ({want})" if want else "no offsets operand")
+                   + ("; none came" if self.offsets is None else "; one came"))
+        if self.offsets is not None:
+            o = c.tensor("offsets", self.offsets, 2, "i8" if fmt == "int4" else "float")
+            if fmt == "int4_min" and self.offsets.type.element_type != scale_el:  # type: ignore[attr-defined]
+                c.fail(f"mins must hold the scales' element type {scale_el}, got "
+                       f"{self.offsets.type.element_type}")  # type: ignore[attr-defined]
+            c.dim("offsets", o, 0, n, "N")
+            c.dim("offsets", o, 1, None if k is None else k // group, f"K / group_size = {k} / {group}")
 
 
 @irdl_op_definition

@@ -13,8 +13,9 @@ modules with dynamic dims; ``attention_kernel``: the FlashAttention dispatch), i
   one, of the mask's classification at ``T``. Keys are read in the ``tokens`` layout (the op's operands are
   already ``[T, Hkv, D]``).
 
-The captured function must have a static token count and float32 tensors; ``qmatmul`` also takes int8 weights with
-f32 or f16 scales (de-quantized by a ``linalg.generic`` in front of the float matmul; int4 is not lowered yet).
+The captured function must have a static token count and float32 tensors; ``qmatmul`` also takes int8, int4 and
+int4_min packed weights (``i8``) with f32 or f16 scales, int4's ``i8`` zero points and int4_min's mins, de-quantized
+by a ``linalg.generic`` in front of the float matmul (:mod:`tessera.mlir.dequant_linalg`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tessera.mlir import op_kernels
+from tessera.mlir import dequant_linalg, op_kernels
 from tessera.mlir.text import TextBuilder
 
 _DYN2, _DYN3 = "tensor<?x?xf32>", "tensor<?x?x?xf32>"
@@ -39,14 +40,17 @@ class LoweredGraph:
     arg_names: tuple[str, ...]
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Call the module with ``inputs`` by argument name (float32 tensors; positions int64; packed weights int8)."""
+        """Call the module with ``inputs`` by argument name (float32 tensors; positions int64; packed weights, zero
+        points int8 or uint8: a uint8 tensor is passed as its int8 view, the bytes unchanged)."""
         from tessera.mlir.iree_compile import as_device, load_function
 
         missing = [n for n in self.arg_names if n not in inputs]
         if missing:
             raise KeyError(f"LoweredGraph.run: missing inputs {missing}; the function takes {list(self.arg_names)}")
         fn = load_function(self.text, self.entry)
-        args = [as_device(inputs[n].contiguous()) for n in self.arg_names]
+        # IREE checks element types: the module's i8 packed operands take QuantizedWeight's uint8 bytes as int8
+        tensors = [inputs[n].view(torch.int8) if inputs[n].dtype == torch.uint8 else inputs[n] for n in self.arg_names]
+        args = [as_device(t.contiguous()) for t in tensors]
         return torch.from_numpy(np.asarray(fn(*args).to_host()))
 
 
@@ -86,7 +90,8 @@ class _Lowering:
         return self.cast(raw, result, result_type)
 
     def f32(self, value: float) -> str:
-        return self.b.value(f"arith.constant {float(value)!r} : f32", "cst")
+        # MLIR's float literal needs a '.' before an exponent ("1e-06" does not parse): print with explicit digits
+        return self.b.value(f"arith.constant {float(value):.17e} : f32", "cst")
 
     # ---- ops --------------------------------------------------------------------------------------------------
     def norm(self, x: str, x_type: str, weight, eps: float) -> str:
@@ -102,28 +107,19 @@ class _Lowering:
                          [(x, x_type, _DYN2), (w, w_type, _DYN2), (self.f32(1.0), "f32", "f32")], _DYN2, out_type)
 
     def qmatmul(self, op, out_type: str) -> str:
-        """``x @ dequant(w).T``: an int8 weight de-quantized by a ``linalg.generic`` (``w * scales[n, k // group]``)
-        feeding the float matmul, which IREE's dispatch formation may fuse."""
+        """``x @ dequant(w).T``: the packed weight de-quantized by a ``linalg.generic`` (:mod:`.dequant_linalg`)
+        feeding the float matmul (two dispatches: IREE does not fuse them)."""
         fmt, group = _attr(op, "format"), _attr(op, "group_size")
-        if fmt != "int8":
-            raise NotImplementedError(f"lower_graph: tessera.qmatmul format {fmt!r} has no lowering yet (int8 does)")
         w, scales = op.operands[1], op.operands[2]
-        w_type, s_type = self.types[id(w)], self.types[id(scales)]
-        n, k = (int(v) for v in w_type.split("<")[1].split("x")[:2])
-        scale_el = s_type.rsplit("x", 1)[1].rstrip(">")
-        deq_t = f"tensor<{n}x{k}xf32>"
-        empty = self.b.value(f"tensor.empty() : {deq_t}")
-        widen = "" if scale_el == "f32" else f"\n      %sc = arith.extf %s : {scale_el} to f32"
-        scale = "%s" if scale_el == "f32" else "%sc"
-        deq = self.b.value(
-            f"linalg.generic {{indexing_maps = [affine_map<(n, k) -> (n, k)>, affine_map<(n, k) -> (n, k floordiv "
-            f"{group})>, affine_map<(n, k) -> (n, k)>], iterator_types = [\"parallel\", \"parallel\"]}} "
-            f"ins({self.name(w)}, {self.name(scales)} : {w_type}, {s_type}) outs({empty} : {deq_t}) {{\n"
-            f"    ^bb0(%q: i8, %s: {scale_el}, %unused: f32):{widen}\n"
-            f"      %f = arith.sitofp %q : i8 to f32\n"
-            f"      %r = arith.mulf %f, {scale} : f32\n"
-            f"      linalg.yield %r : f32\n"
-            f"    }} -> {deq_t}", "deq")
+        args = (self.name(w), self.types[id(w)], self.name(scales), self.types[id(scales)])
+        if fmt == "int8":
+            deq, deq_t = dequant_linalg.int8(self.b, *args, group)
+        elif fmt in ("int4", "int4_min"):
+            offsets = op.offsets
+            deq, deq_t = dequant_linalg.int4(self.b, fmt, *args, self.name(offsets), self.types[id(offsets)], group)
+        else:
+            raise NotImplementedError(f"lower_graph: tessera.qmatmul format {fmt!r} has no lowering (int8, int4 and "
+                                      "int4_min do)")
         x = op.operands[0]
         return self.matmul_of(self.name(x), self.types[id(x)], deq, deq_t, out_type)
 
@@ -229,11 +225,11 @@ def lower_graph(module) -> LoweredGraph:
         type_text = str(arg.type)
         element = type_text.rsplit("x", 1)[-1].rstrip(">")
         packed = element in ("i8", "f16") and all(use.operation.name == "tessera.qmatmul" and use.index > 0
-                                                    for use in arg.uses)  # a weight or its scales
+                                                    for use in arg.uses)  # a weight, its scales, zeros or mins
         if "?" in type_text or not (element in ("f32", "i64") or packed):
             raise NotImplementedError(f"lower_graph: argument {arg.name_hint} has type {type_text}; only static "
-                                      "float32 tensors (and i64 positions, int8 packed weights with f32/f16 "
-                                      "scales) are lowered")
+                                      "float32 tensors (and i64 positions, i8 packed weights and zero points, f32/f16 "
+                                      "scales and mins of a tessera.qmatmul) are lowered")
         name = f"%arg{i}"
         low.bind(arg, name, type_text)
         args.append((arg.name_hint or f"arg{i}", name, type_text))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from xdsl.dialects.builtin import DYNAMIC_INDEX, f32, i8, i32, i64
+from xdsl.dialects.builtin import DYNAMIC_INDEX, f16, f32, i8, i32, i64
 from xdsl.utils.exceptions import VerifyException
 
 from tessera.attention import AttentionSpec, causal, chunked, prefix_lm, sliding_window, softcap
@@ -75,22 +75,37 @@ def test_matmul_shapes():
     _fails(_matmul((8, 32), (48, 32), (8, 40)), "result dim 1 must be 48 (w's N), got 40")
 
 
-def _qmatmul(fmt, w_shape, s_shape, group=32, k=64, n=16):
-    types = [T([4, k], f32), T(w_shape, i8), T(s_shape, f32)]
+def _qmatmul(fmt, w_shape, s_shape, group=32, k=64, n=16, offsets=None):
+    """A qmatmul of ``fmt``; ``offsets`` = ``(shape, element)`` of its zeros or mins operand, if any."""
+    types = [T([4, k], f32), T(w_shape, i8), T(s_shape, f32)] + ([T(*offsets)] if offsets else [])
     return module_of(types, lambda b, a: b.insert(
-        td.make(td.QMatmulOp, a, [T([4, n], f32)], format=fmt, group_size=group)).out)
+        td.make(td.QMatmulOp, [a[0], a[1], a[2], list(a[3:])], [T([4, n], f32)], format=fmt,
+                group_size=group)).out)
 
 
 def test_qmatmul_packed_shapes():
     _qmatmul("int8", [16, 64], [16, 2]).verify()
-    _qmatmul("int4", [16, 32], [16, 2]).verify()
-    _fails(_qmatmul("int4", [16, 64], [16, 2]), "packed weight dim 1 must be 32 (K / 2 for int4), got 64")
+    _qmatmul("int4", [16, 32], [16, 2], offsets=([16, 2], i8)).verify()
+    _qmatmul("int4_min", [16, 32], [16, 2], offsets=([16, 2], f32)).verify()
+    _fails(_qmatmul("int4", [16, 64], [16, 2], offsets=([16, 2], i8)),
+           "packed weight dim 1 must be 32 (K / 2 for int4), got 64")
     _fails(_qmatmul("int8", [16, 64], [16, 4]), "scales dim 1 must be 2 (K / group_size = 64 / 32), got 4")
     _fails(_qmatmul("int8", [16, 64], [16, 2], group=48), "K = 64 must be a multiple of group_size 48")
-    _fails(_qmatmul("int2", [16, 64], [16, 2]), "format must be one of ['int8', 'int4'], got 'int2'")
+    _fails(_qmatmul("int2", [16, 64], [16, 2]), "format must be one of ['int8', 'int4', 'int4_min'], got 'int2'")
     bad = module_of([T([4, 64], f32), T([16, 64], i32), T([16, 2], f32)], lambda b, a: b.insert(
-        td.make(td.QMatmulOp, a, [T([4, 16], f32)], format="int8", group_size=32)).out)
+        td.make(td.QMatmulOp, [*a, []], [T([4, 16], f32)], format="int8", group_size=32)).out)
     _fails(bad, "packed weight must hold i8 (packed weights), got i32")
+
+
+def test_qmatmul_offsets_follow_the_format():
+    _fails(_qmatmul("int4", [16, 32], [16, 2]), "format 'int4' takes an offsets operand (zero points, i8")
+    _fails(_qmatmul("int8", [16, 64], [16, 2], offsets=([16, 2], f32)), "format 'int8' takes no offsets operand")
+    _fails(_qmatmul("int4", [16, 32], [16, 2], offsets=([16, 4], i8)), "offsets dim 1 must be 2")
+    _fails(_qmatmul("int4", [16, 32], [16, 2], offsets=([16, 2], f32)), "offsets must hold i8")
+    _fails(_qmatmul("int4_min", [16, 32], [16, 2], offsets=([16, 2], i8)), "offsets must hold f32, bf16 or f16")
+    _fails(_qmatmul("int4_min", [16, 32], [16, 2], offsets=([16, 2], f16)), "mins must hold the scales' element type")
+    _fails(_qmatmul("int4", [16, 15], [16, 2], k=30, group=15, offsets=([16, 2], i8)),
+           "group_size must be even for int4")
 
 
 def test_small_ops_reject_bad_shapes():
