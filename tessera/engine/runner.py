@@ -32,8 +32,8 @@ class Runner:
         #: pick the tokens of an all-greedy step inside the forward (``forward_step(..., greedy=True)``) rather than
         #: from its logits: a tensor-parallel engine's ranks then exchange their best logit instead of gathering
         #: the vocabulary, and a single process skips the sampler's per-step batch (its parameter tensors and a
-        #: pass over the row), ~0.1 ms of a SmolLM2 decode step, for the argmax scan. Same token: both take the
-        #: first maximal logit.
+        #: pass over the row: 60 us alone for one greedy row, 2026-12-05) for the argmax scan (11 us). Same
+        #: token: both take the first maximal logit.
         self.greedy_in_forward = True
         self.structured = StructuredDecoder(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
 

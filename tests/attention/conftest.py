@@ -11,6 +11,20 @@ import torch
 from tests.attention.cases import seed_of
 
 
+@pytest.fixture(scope="module")
+def float_qk():
+    """The cpu decode kernel's float Q.K path (``kv_qk=portable``) for a whole module: it de-quantizes K exactly and
+    meets the quantized-KV tolerance class's tight rule; the int8 Q.K variants round the query too and have their own
+    rule (``test_kv_qk8.py``). Use with ``pytestmark = pytest.mark.usefixtures("float_qk")``."""
+    from tessera.backends.cpu import variants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TESSERA_CPU_VARIANTS", "kv_qk=portable")
+        variants.reset()
+        yield
+    variants.reset()
+
+
 @pytest.fixture
 def gen(request: pytest.FixtureRequest) -> torch.Generator:
     """A generator seeded from the test id: fresh random inputs per test, reproducible across runs and workers."""

@@ -22,12 +22,12 @@ import torch
 from tessera.attention import plan
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.decode_qk8 import CODE_BYTES, dequantize_queries, qk_token, quantize_queries
-from tessera.hw import isa
 from tessera.kv.quantized import QuantizedPages, dequantize_kv, quantize_kv
 from tests.attention.cases import VARIANTS, oracle, seed_of, varlen_layout
 from tests.attention.test_paged import paged_inputs
 from tests.attention.test_paged_quantized import QUANTIZATION_BOUND
 from tests.attention.tolerances import assert_matches_oracle, rel_err
+from tests.cpu_variants import skip_unless_runs
 
 INT8_QK = [name for name in CODE_BYTES]
 #: norm-relative error against the unquantized oracle with the query rounded to int8 as well as K/V: the query's
@@ -46,10 +46,6 @@ def _fresh_choices():
     variants.reset()
 
 
-def _runnable(name: str) -> None:
-    lacking = isa.missing(next(v for v in variants.FAMILIES["kv_qk"].variants if v.name == name).requires)
-    if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for kv_qk={name}")
 
 
 def _poison_outputs(monkeypatch) -> None:
@@ -78,7 +74,7 @@ def check_qk8(variant: str, q_lens, kv_lens, hq: int, hkv: int, d: int, mask: st
               monkeypatch, gen: torch.Generator) -> tuple[float, float]:
     """Run the case under ``kv_qk=variant``; assert both rules; return (error vs the q-quantized oracle, error vs
     the unquantized one)."""
-    _runnable(variant)
+    skip_unless_runs("kv_qk", variant)
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", f"kv_qk={variant}")
     variants.reset()
     layout = varlen_layout(q_lens, kv_lens, hq, hkv, d)

@@ -32,17 +32,7 @@ QUANT_VARIANTS = [v for v in VARIANTS if v.name in {"causal", "window16", "alibi
                                                     "softcap_causal", "custom_dilated"}]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float_qk():
-    """The float Q.K path of the cpu decode kernel (``kv_qk=portable``), which de-quantizes K exactly and so meets
-    the tight rule above; the int8 Q.K variants round the query too and have their own rule (``test_kv_qk8.py``)."""
-    from tessera.backends.cpu import variants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESSERA_CPU_VARIANTS", "kv_qk=portable")
-        variants.reset()
-        yield
-    variants.reset()
+pytestmark = pytest.mark.usefixtures("float_qk")  # the float Q.K path (conftest.py)
 
 
 def quantized(pages: torch.Tensor, fmt: str) -> QuantizedPages:

@@ -23,17 +23,7 @@ FORMATS = sorted(KV_FORMATS)
 PREFILL_VARIANTS = [v for v in VARIANTS if v.name in {"causal", "window16", "alibi_causal", "custom_dilated"}]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _float_qk():
-    """The decode rows of these steps on the float Q.K path (``kv_qk=portable``), whose K is exact and meets the
-    tight rule; the int8 Q.K variants round the query too and have their own rule (``test_kv_qk8.py``)."""
-    from tessera.backends.cpu import variants
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TESSERA_CPU_VARIANTS", "kv_qk=portable")
-        variants.reset()
-        yield
-    variants.reset()
+pytestmark = pytest.mark.usefixtures("float_qk")  # the float Q.K path (conftest.py)
 
 
 @pytest.fixture

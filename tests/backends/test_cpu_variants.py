@@ -17,6 +17,7 @@ from tessera.backends.cpu.ops import _qdot, _qdot_kernels
 from tessera.backends.reference.ops.quant import dequantize_f64, qmatmul_f64
 from tessera.hw import isa
 from tessera.kernels import quant as Q
+from tests.cpu_variants import skip_unless_runs
 from tests.kernels.conftest import gen  # noqa: F401  (the seeded-generator fixture)
 from tests.kernels.tolerances import assert_close_to_oracle
 
@@ -42,11 +43,6 @@ def _force(monkeypatch, spec: str) -> None:
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", spec)
 
 
-def _runnable(name: str, family: str = "qgemv"):
-    """Skip unless this CPU executes ``family``'s variant ``name``."""
-    lacking = isa.missing(next(v for v in variants.FAMILIES[family].variants if v.name == name).requires)
-    if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for {family}={name}")
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -171,7 +167,7 @@ def test_the_tuned_variant_reaches_the_kernels(monkeypatch) -> None:
     """The token the packed matmul runs follows the tuned choice (its cache is keyed by it)."""
     from tessera.tuning import overriding
 
-    _runnable("avx2")
+    skip_unless_runs("qgemv", "avx2")
     assert _qdot.chosen_token() is _qdot._TOKENS[variants.available("qgemv")[0]]
     with overriding("qgemv_variant", "avx2"):
         assert _qdot.chosen_token() is _qdot._TOKENS["avx2"]
@@ -204,7 +200,7 @@ def test_qgemv_variant_matches_oracle(variant: str, fmt: str, group_size: int | 
                                       gen: torch.Generator) -> None:
     """The cpu qmatmul under each variant: int8-activation variants against the float64 product of their own
     quantized activation (fp32 tolerance), and within the activation-quantization bound of the exact product."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     _force(monkeypatch, f"qgemv={variant}")
     k = 3 * (group_size or 32) + (64 if group_size is None else 0)  # odd group counts; per channel: K = 160
     w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
@@ -231,7 +227,7 @@ def test_qgemv_variant_matches_oracle(variant: str, fmt: str, group_size: int | 
 def test_qgemv_kernels_write_every_output(variant: str, fmt: str, gen: torch.Generator) -> None:
     """Raw kernels into a NaN-poisoned output, serial and parallel, rows not a multiple of 4 or of ROWS, long K;
     seven x rows: one block of four sharing each weight block, then three one at a time."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     token = _qdot._TOKENS[variant]
     n, k = 2 * _qdot_kernels.ROWS + 3, 2048 + 32
     qw = Q.quantize(torch.randn(n, k, generator=gen), fmt, 32)
@@ -256,7 +252,7 @@ def test_qgemv_kernels_write_every_output(variant: str, fmt: str, gen: torch.Gen
 def test_qgemv_rows_do_not_depend_on_their_neighbours(variant: str, fmt: str, k: int, gen: torch.Generator) -> None:
     """A token's output row is bit-identical whether it runs alone or among other rows (four-row blocks, pairs,
     tails): speculative verification and batched decode must reproduce a lone decode's greedy token exactly."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     token = _qdot._TOKENS[variant]
     qw = Q.quantize(torch.randn(37, k, generator=gen), fmt, 32)
     x = torch.randn(9, k, generator=gen)
@@ -275,7 +271,7 @@ def test_qgemv_every_block_count(variant: str, fmt: str, gen: torch.Generator) -
     on 256-bit vectors, so every count modulo 4 and the one-block row are checked; one x row and five (a block of
     four sharing each weight pair, then one). int8 codes of -128 (GGUF Q8_0 allows them; the 512-bit dot has no
     VPSIGNB and negates the activation instead) included. Outputs NaN-poisoned, serial and parallel."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     token = _qdot._TOKENS[variant]
     for blocks in range(1, 10):
         k = 32 * blocks
@@ -303,7 +299,7 @@ def test_qgemv_float16_scales(variant: str, fmt: str, group_size: int | None, mo
     """GGUF keeps its blocks' scales (and Q4_1 mins) in float16; every kernel widens them where it reads them. The
     same weight with those values as float32 scales must give the same product (odd block counts: the 512-bit rows'
     256-bit tail reads one scale alone), one x row and five, and M=20 (the tiled path's bf16 de-quantization)."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     _force(monkeypatch, f"qgemv={variant}")
     k = 5 * (group_size or 32) + (64 if group_size is None else 0)
     qw = Q.quantize(torch.randn(23, k, generator=gen), fmt, group_size)
@@ -407,7 +403,7 @@ def test_prefill_pv_variant_matches_oracle(variant: str, mask: str, monkeypatch)
     from tessera.backends.cpu import prefill
     from tests.attention.cases import check_against_oracle, seed_of, varlen_layout
 
-    _runnable(variant, "prefill_pv")
+    skip_unless_runs("prefill_pv", variant)
     _force(monkeypatch, f"prefill_pv={variant}")
     assert prefill._bf16_pv(torch.bfloat16) == (variant != "fp32") and not prefill._bf16_pv(torch.float32)
     layout = varlen_layout([131, 77], [131, 2 * prefill.KV_TILE + 45], hq=6, hkv=2, d=64)
@@ -435,7 +431,7 @@ def test_qgemm_variant_matches_oracle(variant: str, fmt: str, group_size: int | 
     a NaN-poisoned output catches unwritten columns."""
     from tessera.backends.cpu.ops import quant as cpu_quant
 
-    _runnable(variant, "qgemm")
+    skip_unless_runs("qgemm", variant)
     _force(monkeypatch, f"qgemm={variant}")
     monkeypatch.setenv("TESSERA_TUNE_QUANT_TILE_N", "256")
     k = 3 * (group_size or 32) + (64 if group_size is None else 0)

@@ -12,11 +12,11 @@ import torch
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _qdot, _qdot_ggml, _qdot_kernels
 from tessera.backends.reference.ops.quant import qmatmul_f64
-from tessera.hw import isa
 from tessera.kernels import quant as Q
 from tessera.kernels.ggml_quantize import quantize_rows
 from tessera.kernels.quant import StackedWeight, from_gguf
 from tessera.tuning.random_weights import random_ggml_weight
+from tests.cpu_variants import skip_unless_runs
 from tests.kernels.conftest import gen  # noqa: F401  (the seeded-generator fixture)
 from tests.kernels.tolerances import assert_close_to_oracle
 
@@ -33,10 +33,6 @@ def _fresh_choices():
     variants.reset()
 
 
-def _runnable(name: str) -> None:
-    lacking = isa.missing(next(v for v in variants.FAMILIES["qgemv"].variants if v.name == name).requires)
-    if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for qgemv={name}")
 
 
 def _quantized(w: torch.Tensor, fmt: str) -> tuple[Q.QuantizedWeight, torch.Tensor]:
@@ -56,7 +52,7 @@ def test_ggml_qgemv_matches_gguf_py(variant: str, fmt: str, m: int, n: int, monk
                                     gen: torch.Generator) -> None:
     """``Q.qmatmul`` on the cpu backend under each int8-activation variant equals gguf-py's de-quantized weight times
     the kernels' quantized activation (fp32 tolerance), for one to sixteen rows of x (the GEMV's range)."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", f"qgemv={variant}")
     k = K_OF[fmt]
     qw, w_gguf = _quantized(torch.randn(n, k, generator=gen) * 0.05, fmt)
@@ -72,7 +68,7 @@ def test_ggml_kernels_write_every_output(variant: str, fmt: str, gen: torch.Gene
     """The raw kernels on random block bytes (every code, scale and 5th/6th-bit pattern), into a NaN-poisoned
     output, serial and parallel: one format, and two row blocks in different formats split at a row that is not a
     multiple of the parallel chunk (a Q4_K_M q|k|v with its Q6_K v)."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     token = _qdot._TOKENS[variant]
     k = K_OF[fmt]
     other = {"q5_0": "q5_1", "q5_1": "q5_0", "q4_k": "q6_k"}.get(fmt, "q4_k")
@@ -94,7 +90,7 @@ def test_ggml_kernels_write_every_output(variant: str, fmt: str, gen: torch.Gene
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_ggml_qgemv_every_block_count(variant: str, fmt: str, gen: torch.Generator) -> None:
     """Rows of one to five blocks (Q5_0 / Q5_1 take blocks two at a time and finish an odd one alone)."""
-    _runnable(variant)
+    skip_unless_runs("qgemv", variant)
     token = _qdot._TOKENS[variant]
     values = 256 if fmt.endswith("_k") else 32
     for blocks in range(1, 6):
@@ -134,9 +130,7 @@ def test_ggml_prefill_tiles_under_every_qgemm_variant(variant: str, fmt: str, mo
                                                       gen: torch.Generator) -> None:
     """Past the GEMV's rows (a prefill chunk) the weight is de-quantized tile by tile: float32 tiles and NumPy's
     sgemm, or tiles rounded to bf16 and torch's bf16 GEMM (bf16 tolerance)."""
-    lacking = isa.missing(next(v for v in variants.FAMILIES["qgemm"].variants if v.name == variant).requires)
-    if lacking:
-        pytest.skip(f"this CPU lacks {lacking} for qgemm={variant}")
+    skip_unless_runs("qgemm", variant)
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", f"qgemm={variant}")
     k = K_OF[fmt]
     qw, w_gguf = _quantized(torch.randn(37, k, generator=gen) * 0.05, fmt)

@@ -69,7 +69,7 @@ def test_mixtral_matches_single_process_and_ranks_hold_only_their_experts(tmp_pa
 def test_uneven_experts_match_single_process(tmp_path):
     model = _mixtral(tmp_path, 3)  # rank 0 holds experts 0-1, rank 1 expert 2
     assert [s.experts for s in plan_shards(model.config, 2)] == [(0, 2), (2, 3)]
-    _compare(model, 211, 1e-5)
+    _compare(model, _prompts(211), 1e-5)
 
 
 def test_qwen2_moe_shared_expert_and_dense_layer_match_single_process(tmp_path):
@@ -81,7 +81,7 @@ def test_qwen2_moe_shared_expert_and_dense_layer_match_single_process(tmp_path):
     save_tiny(transformers.Qwen2MoeForCausalLM, config, tmp_path)
     model = load_model(tmp_path)
     assert model.config.dense_layers == (0,)
-    _compare(model, 211, 1e-5)
+    _compare(model, _prompts(211), 1e-5)
 
 
 def _moe_config(experts: int, shared: int) -> ModelConfig:

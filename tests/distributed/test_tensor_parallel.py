@@ -27,21 +27,21 @@ def _prompts(vocab: int, lengths=(5, 17, 9), seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _prefill_step(ids: list[int]) -> StepBatch:
+def _prefill_step(ids: list[int], page_size: int = 4) -> StepBatch:
     n = len(ids)
-    table = torch.arange((n + 3) // 4, dtype=torch.int32)[None]
+    table = torch.arange((n + page_size - 1) // page_size, dtype=torch.int32)[None]
     return StepBatch(torch.tensor(ids), [n], [n], table, torch.arange(n))
 
 
-def _compare(model, vocab: int, atol_rel: float) -> None:
+def _compare(model, prompts: list[list[int]], atol_rel: float, page_size: int = 4,
+             params: SamplingParams = GREEDY) -> None:
     """Greedy tokens of a mixed batch identical; one prefill's logits close, single-process vs two ranks."""
-    prompts = _prompts(vocab)
-    ref = [o.token_ids for o in LLM(model, page_size=4, num_pages=64).generate(prompts, GREEDY)]
-    step = _prefill_step(prompts[1])
-    ref_logits = forward_step(model, new_cache(model, 8, 4), step, all_logits=True, fused=False)
-    llm = LLM(model, page_size=4, num_pages=64, max_num_batched_tokens=16, tensor_parallel_size=2)
+    ref = [o.token_ids for o in LLM(model, page_size=page_size, num_pages=64).generate(prompts, params)]
+    step = _prefill_step(prompts[1], page_size)
+    ref_logits = forward_step(model, new_cache(model, 8, page_size), step, all_logits=True, fused=False)
+    llm = LLM(model, page_size=page_size, num_pages=64, max_num_batched_tokens=16, tensor_parallel_size=2)
     try:
-        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        got = [o.token_ids for o in llm.generate(prompts, params)]
         logits = llm.runner.forward_step(llm.model, llm.cache, step, all_logits=True)
     finally:
         llm.shutdown()
@@ -62,7 +62,7 @@ def test_random_models_match_single_process(tmp_path, family):
                                                                           **common)),
     }[family]
     save_tiny(cls, config, tmp_path)
-    _compare(load_model(tmp_path), 211, 1e-5)
+    _compare(load_model(tmp_path), _prompts(211), 1e-5)
 
 
 def test_packed_gguf_shards_stay_packed(tmp_path, monkeypatch):

@@ -412,6 +412,36 @@ def _row_offsets(offs, at, s, j0, count, row_base, block, row_elems):  # pragma:
             page += 1
 
 
+@njit(inline="always")
+def _next_chunk_offsets(offs, sch, item, next_item, s, seg, j, row_elems):  # pragma: no cover - compiled
+    """Row offsets of the keys whose K the P.V pass hints: this item's next chunk from key ``j`` of segment ``seg``,
+    then (at its end) the start of the worker's next item (``next_item``, -1 for none), whose first chunk would
+    otherwise arrive unprefetched. Returns how many were written (at most ``CHUNK``)."""
+    n = _chunk_offsets(offs, 0, s, seg, j, sch.item_seg_hi[item], sch.seg_start, sch.seg_end, sch.row_base,
+                       sch.block, row_elems)
+    if n < CHUNK and next_item >= 0:
+        s2 = sch.item_seq[next_item]
+        first = sch.item_seg_lo[next_item]
+        n = _chunk_offsets(offs, n, s2, first, sch.seg_start[first], sch.item_seg_hi[next_item], sch.seg_start,
+                           sch.seg_end, sch.row_base, sch.block, row_elems)
+    return n
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _post_scores(sc, sch, hq, nq, kv_len, j0, cn):  # pragma: no cover - compiled
+    """Softcap and ALiBi on a chunk's scores ``sc [h * nq + i, c]`` (keys ``j0 + c``), in place."""
+    for h in range(hq):
+        for i in range(nq):
+            r = h * nq + i
+            for c in range(cn):
+                x = sc[r, c]
+                if sch.softcap > 0.0:
+                    x = sch.softcap * math.tanh(x / sch.softcap)
+                if sch.slopes.shape[0] > 0:
+                    x += sch.slopes[h] * np.float32(j0 + c - (kv_len - nq + i))
+                sc[r, c] = x
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _decode_item_blocked(
     item, q, k, ks, v, vs, unit, part_out, part_lse, sch, next_item,
@@ -447,31 +477,13 @@ def _decode_item_blocked(
             _row_offsets(row_off, 0, s, j0, cn, sch.row_base, sch.block, hkv * d)
             if scaled:
                 _row_offsets(rowi, 0, s, j0, cn, sch.row_base, sch.block, 1)
-            # The keys whose K the P.V pass hints: this item's next chunk, then (at its end) the start of the
-            # worker's next item, whose first chunk would otherwise arrive unprefetched (a quarter of a 128-key
-            # suffix item).
-            next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, sch.item_seg_hi[item], sch.seg_start, sch.seg_end,
-                                    sch.row_base, sch.block, hkv * d)
-            if next_n < CHUNK and next_item >= 0:
-                s2 = sch.item_seq[next_item]
-                first = sch.item_seg_lo[next_item]
-                next_n = _chunk_offsets(next_off, next_n, s2, first, sch.seg_start[first],
-                                        sch.item_seg_hi[next_item], sch.seg_start, sch.seg_end, sch.row_base, sch.block,
-                                        hkv * d)
+            # (the next item's first chunk, unhinted, was a quarter of a 128-key suffix item's time)
+            next_n = _next_chunk_offsets(next_off, sch, item, next_item, s, seg, j0 + cn, hkv * d)
             _scores_blocked(sc, qrows, k, v, row_off, hkv, rows_h, d, cn)
             if scaled:  # q . (c s) = s (q . c): the keys' scales once per score, before softcap and masks
                 _scale_columns(sc, ks, unit, rowi, colscale, hkv, rows_h, cn)
             if post:
-                for h in range(hq):
-                    for i in range(nq):
-                        r = h * nq + i
-                        for c in range(cn):
-                            x = sc[r, c]
-                            if sch.softcap > 0.0:
-                                x = sch.softcap * math.tanh(x / sch.softcap)
-                            if sch.slopes.shape[0] > 0:
-                                x += sch.slopes[h] * np.float32(j0 + c - (kv_len - nq + i))
-                            sc[r, c] = x
+                _post_scores(sc, sch, hq, nq, kv_len, j0, cn)
             if moff >= 0:
                 _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
                             cn)

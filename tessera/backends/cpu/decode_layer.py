@@ -11,8 +11,8 @@ stores a tensor (a GEMV result, a bias add, a norm, RoPE, the attention output).
 
 The layer is eleven phases: four GEMVs, whose output rows are split into :data:`CLAIMS_PER_WORKER` chunks per
 worker; the attention, whose work items (a sequence, or a part of a long one) and then sequences (merging the
-parts, preparing o's input row) are claimed the same way; and the small serial steps between them (input quantization, q/k norms,
-RoPE and the cache write, residuals and norms, the gated activation).
+parts, preparing o's input row) are claimed the same way; and the small serial steps between them (input
+quantization, q/k norms, RoPE and the cache write, residuals and norms, the gated activation).
 With ``n_workers > 1`` the phases run inside *one* parallel region: every worker claims chunks from an atomic
 counter per phase and waits until the phase's chunks are all done before the next phase
 (:mod:`tessera.backends.cpu.atomics`). One region per layer, not one per GEMV, because waking the pool costs ~20 us
@@ -62,8 +62,8 @@ from tessera.backends.cpu.ops.rope import _rotate_item
 #: blocks), claimed through an atomic counter. Few long chunks keep each worker's weight reads one long stream
 #: (likely what the hardware prefetchers and the row kernels' fixed-distance software prefetch, which runs into the
 #: next chunk's rows at a chunk's end, serve best); two per worker still let one take over when the other is late.
-#: 1B Q4_0 decode (22 layers, 2 threads, Zen 5, 2026-12-05): chunks of 128 rows 49.7-50.2 tok/s, 512 rows
-#: 51.1-52.1, in alternating runs.
+#: 1B Q4_0 decode (22 layers, 2 threads, Zen 5, 2026-12-05, alternating runs): chunks of 128 rows 49.3-51.1 tok/s,
+#: 2 per worker 53.4-56.4 (Q4_K_M 50.2-51.8 -> 60.8-61.9); 1 per worker was level with 2 on Q4_K_M.
 CLAIMS_PER_WORKER = 2
 MIN_CLAIM_ROWS = 64
 #: multiply-adds of a step's biggest GEMV from which the layer runs over all threads: the default of the

@@ -34,8 +34,6 @@ width) run the float path, the ``portable`` variant.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -47,9 +45,10 @@ from tessera.backends.cpu.attn_microkernels import prefetch_run
 from tessera.backends.cpu.decode_kernel import (
     CHUNK,
     _apply_mask,
-    _chunk_offsets,
     _cursor_at,
+    _next_chunk_offsets,
     _online_softmax_blocked,
+    _post_scores,
     _round_up,
     _row_offsets,
     _values_blocked,
@@ -479,14 +478,7 @@ def _decode_item_q8(
             cn = min(CHUNK, j_end - j0)
             _row_offsets(row_off, 0, s, j0, cn, sch.row_base, sch.block, hkv * d)
             _row_offsets(rowi, 0, s, j0, cn, sch.row_base, sch.block, 1)
-            next_n = _chunk_offsets(next_off, 0, s, seg, j0 + cn, sch.item_seg_hi[item], sch.seg_start, sch.seg_end,
-                                    sch.row_base, sch.block, hkv * d)
-            if next_n < CHUNK and next_item >= 0:
-                s2 = sch.item_seq[next_item]
-                first = sch.item_seg_lo[next_item]
-                next_n = _chunk_offsets(next_off, next_n, s2, first, sch.seg_start[first],
-                                        sch.item_seg_hi[next_item], sch.seg_start, sch.seg_end, sch.row_base, sch.block,
-                                        hkv * d)
+            next_n = _next_chunk_offsets(next_off, sch, item, next_item, s, seg, j0 + cn, hkv * d)
             # Hint the next keys' scale lines too: no row hint covers them, and the first touch of each page's
             # scales (16 B per token at Hkv = 8, pages scattered) missed every chunk (measured at B=8, L=4096:
             # the two scale passes took 1.0 of 4.7 ms with these misses)
@@ -497,16 +489,7 @@ def _decode_item_q8(
             _gather_scales(kst, vst, ks, vs, rowi, hkv, cn)
             _scores_q8(token, sc, qc, corr, qscale, kst, k, v, row_off, hkv, rows_h, d, cn)
             if post:
-                for h in range(hq):
-                    for i in range(nq):
-                        r = h * nq + i
-                        for c in range(cn):
-                            x = sc[r, c]
-                            if sch.softcap > 0.0:
-                                x = sch.softcap * math.tanh(x / sch.softcap)
-                            if sch.slopes.shape[0] > 0:
-                                x += sch.slopes[h] * np.float32(j0 + c - (kv_len - nq + i))
-                            sc[r, c] = x
+                _post_scores(sc, sch, hq, nq, kv_len, j0, cn)
             if moff >= 0:
                 _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
                             cn)
