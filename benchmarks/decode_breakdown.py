@@ -44,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 
     step_ms()  # compile and warm up
     whole = step_ms()
-    layer_kernel = fused_decode.decoder_layer_kernel
-    fused_decode.decoder_layer_kernel = lambda *a: None
+    layer_kernel = fused_decode.decoder_layers_kernel
+    fused_decode.decoder_layers_kernel = lambda *a: None
     no_layers = step_ms()
     gemv_int8 = qdot_kernels.gemv_int8
     qdot_kernels.gemv_int8 = lambda *a: None  # the packed Q8_0 LM head of the default GGUF
     rest = step_ms()
-    fused_decode.decoder_layer_kernel, qdot_kernels.gemv_int8 = layer_kernel, gemv_int8
+    fused_decode.decoder_layers_kernel, qdot_kernels.gemv_int8 = layer_kernel, gemv_int8
     fp = fingerprint()
     print(f"{fp.get('cpu_model', fp)}; median of {args.rounds} x {args.tokens} tokens")
     print(f"step {whole:.2f} ms = layers {whole - no_layers:.2f} + LM head {no_layers - rest:.2f} + rest {rest:.2f} "

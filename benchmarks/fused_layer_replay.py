@@ -2,7 +2,7 @@
 streaming (every layer in turn, as a token reads them), on one worker and on all of Numba's threads.
 
 It decodes a few tokens of the default model (SmolLM2-135M Q4_1, packed) through the engine, records the arguments
-of each ``decoder_layer_kernel`` call of the last step, then times the kernel alone on them. What it separates: the
+of each layer of the last step, then times the kernel alone on them. What it separates: the
 kernel's compute rate (hot), what the memory system adds (streaming), and what a second core buys in each; for
 packed models also the layer's four GEMVs run alone on the same weights, so what the layer's other phases cost shows.
 
@@ -25,27 +25,37 @@ from tessera.engine import LLM, SamplingParams
 
 
 def _capture(llm: LLM) -> list[tuple]:
-    """The arguments of every layer call of one decode step (small arrays copied: the kernel updates x and h)."""
-    original = fused_decode.decoder_layer_kernel
-    calls: list[tuple] = []
+    """The arguments of every layer of one decode step, one ``decoder_layers_kernel`` call each (the engine runs
+    runs of layers per call; each layer here gets its own one-layer lists; small arrays copied: the kernel updates
+    x and h)."""
+    from tessera.backends.cpu.decode_layer import kv_list, layer_list
 
-    def spy(*args):
-        calls.append(tuple(a.copy() if isinstance(a, np.ndarray) and a.size < 8192 else a for a in args))
-        original(*args)
+    original = fused_decode.decoder_layers_kernel
+    steps: list[list[tuple]] = []
 
-    fused_decode.decoder_layer_kernel = spy
+    def spy(x, h, layers, kvs, *rest):
+        calls = [(x.copy(), h.copy(), layer_list([layers[i]]), kv_list([kvs[i]]),
+                  *(a.copy() if isinstance(a, np.ndarray) and a.size < 8192 else a for a in rest))
+                 for i in range(len(layers))]
+        if steps and x is steps[-1][0][-1]:  # the same step's next run of layers
+            steps[-1][1].extend(calls)
+        else:
+            steps.append(([x], calls))
+        original(x, h, layers, kvs, *rest)
+
+    fused_decode.decoder_layers_kernel = spy
     try:
         llm.generate(["Hello there, how are you"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:
-        fused_decode.decoder_layer_kernel = original
+        fused_decode.decoder_layers_kernel = original
     layers = llm.model.config.num_layers
-    if len(calls) < layers:
+    if not steps or len(steps[-1][1]) < layers:
         raise SystemExit("the fused decode layer did not run (see tessera.backends.cpu.ops.fused_decode.unsupported_reason)")
-    return calls[-layers:]
+    return steps[-1][1][-layers:]
 
 
 def _per_call_ms(calls: list[tuple], rounds: int) -> float:
-    kernel = fused_decode.decoder_layer_kernel
+    kernel = fused_decode.decoder_layers_kernel
     for args in calls:
         kernel(*args)
     start = time.perf_counter()
@@ -61,11 +71,11 @@ def _gemvs_alone_ms(call: tuple, workers: int, rounds: int) -> float | None:
     a projection is not packed for the int8-activation kernels."""
     from tessera.backends.cpu.ops import _qdot_ggml, _qdot_kernels
 
-    weights, isa = call[2], call[12]
+    weights, isa = call[2][0][0], call[10]  # the layer's plain LayerWeights tuple
     if isa is None:
         return None
     runs = []
-    for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w):
+    for w in (weights[0], weights[2], weights[4], weights[6]):  # qkv, o, gate_up, down
         if not isinstance(w, tuple):
             return None
         ggml = len(w) == 5 and w[1].dtype == np.uint8  # ggml blocks (w0, w1, fmt0, fmt1, split); else int4 / int8

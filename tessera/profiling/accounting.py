@@ -249,7 +249,7 @@ def account_ops(unfused: bool = False, phases: bool = False) -> Iterator[OpAccou
     ----------
     unfused : bool
         Also force the per-op decode path (:func:`force_unfused`), so each op of a decode step shows separately
-        instead of one ``fused_decoder_layer`` per layer.
+        instead of one ``fused_decoder_layers`` call per run of layers.
     phases : bool
         Key ops by engine phase, ``"matmul (prefill)"`` / ``"matmul (decode)"``: each engine step
         (``tessera.engine.runner.forward_step``) sets the phase, ``"decode"`` when every sequence has one new token,

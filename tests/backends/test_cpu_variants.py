@@ -381,15 +381,17 @@ def test_fused_layer_roof_follows_its_isa_argument():
     from tessera.backends.cpu import peaks
     from tessera.backends.cpu.ops._int8_simd import AVX2
 
-    from tessera.backends.cpu.kernel_args import LayerWeights
+    from tessera.backends.cpu.decode_layer import layer_list
+    from tessera.backends.cpu.kernel_args import LayerNorms, LayerWeights
 
     packed = (np.zeros((4, 16), np.uint8), np.ones((4, 1), np.float32), np.zeros((4, 1), np.float32), True, 32)
     x = np.zeros((1, 32), np.float32)
-    packed_layer = LayerWeights(packed, x, x, x, x, x, x, x)
-    float_layer = LayerWeights(x, x, x, x, x, x, x, x)
-    assert peaks.roof_of("fused_decoder_layer", (x, x, packed_layer, x, AVX2, 2)) == "int8"
-    assert peaks.roof_of("fused_decoder_layer", (x, x, packed_layer, x, None, 2)) is None
-    assert peaks.roof_of("fused_decoder_layer", (x, x, float_layer, x, AVX2, 1)) is None  # float projections only
+    norms = LayerNorms(x, x, x, x, x, x)
+    packed_layers = layer_list([(LayerWeights(packed, x, x, x, x, x, x, x), norms)])
+    float_layers = layer_list([(LayerWeights(x, x, x, x, x, x, x, x), norms)])
+    assert peaks.roof_of("fused_decoder_layers", (x, x, packed_layers, x, AVX2, 2)) == "int8"
+    assert peaks.roof_of("fused_decoder_layers", (x, x, packed_layers, x, None, 2)) is None
+    assert peaks.roof_of("fused_decoder_layers", (x, x, float_layers, x, AVX2, 1)) is None  # float projections only
 
 
 # ------------------------------------------------------------------------------------------------ prefill P.V

@@ -1,4 +1,4 @@
-"""One whole decoder layer for a small decode step, as a single Numba call on one or all cores.
+"""Whole decoder layers for a small decode step: a run of layers as a single Numba call on one or all cores.
 
 At batch 1 a SmolLM2-135M token spends ~12 ms streaming weights through four GEMVs per layer, and, before this
 kernel, another ~8 ms in the Python around them: about fifteen op calls per layer, each a few layers of Python,
@@ -15,14 +15,17 @@ parts, preparing o's input row) are claimed the same way; and the small serial s
 quantization, q/k norms, RoPE and the cache write, residuals and norms, the gated activation).
 With ``n_workers > 1`` the phases run inside *one* parallel region: every worker claims chunks from an atomic
 counter per phase and waits until the phase's chunks are all done before the next phase
-(:mod:`tessera.backends.cpu.atomics`). One region per layer, not one per GEMV, because waking the pool costs ~20 us
-under the passive OpenMP wait policy, as much as a small GEMV. Claiming, not fixed shares, means a worker that starts
+(:mod:`tessera.backends.cpu.atomics`). One region for a whole run of layers (:func:`decoder_layers_kernel`; a run
+is every layer of most models), not one per GEMV or per layer, because waking the pool costs ~20 us under the
+passive OpenMP wait policy, as much as a small GEMV, and each Python call ~5 us of argument typing: SmolLM2-135M
+Q4_1 batch-1 decode went from 258-262 to 294-300 tok/s with one call per token instead of 30 (2 threads, Zen 5,
+2026-12-05, alternating runs, other processes on the machine). Claiming, not fixed shares, means a worker that starts
 late (or never: a pool of one runs the iterations in turn) only finds less work; nothing waits for a worker that has
 not claimed anything, so the kernel cannot deadlock whatever the thread count. A row's result does not depend on which
 worker computed it, so the output is the same for every ``n_workers``.
 
-:mod:`tessera.backends.cpu.ops.fused_decode` calls it for decode-shaped steps of at most ``SMALL_M`` tokens (one new
-token per sequence, or a few: a speculative verification's drafted tokens) and chooses ``n_workers`` from the step's
+:mod:`tessera.backends.cpu.ops.fused_decode` calls :func:`decoder_layers_kernel` for decode-shaped steps of at most
+``SMALL_M`` tokens (one new token per sequence, or a few: a speculative verification's drafted tokens) and chooses ``n_workers`` from the step's
 work. The attention runs inside the region too: a batch of sequences, or one long context split into parts, spreads
 over the same workers without a second pool wake-up per layer.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
+from numba.typed import List
 from numba.core.errors import TypingError
 from numba.core.extending import overload
 
@@ -39,7 +43,6 @@ from tessera.backends.cpu.decode_kernel import NO_SCALES, _merge_sequence, decod
 from tessera.backends.cpu.kv_storage import store_row
 from tessera.backends.cpu.kernel_args import (
     DecodeSchedule,
-    FlatLayerWeights,
     LayerBuffers,
     LayerConfig,
     LayerNorms,
@@ -467,66 +470,6 @@ def _n_out_overload(w):
     return lambda w: w[0].shape[0]
 
 
-def _flat(w):  # pragma: no cover - replaced by the overload inside jitted code
-    raise NotImplementedError
-
-
-@overload(_flat)
-def _flat_overload(w):
-    """A projection as five plain values. A parallel region cannot take tuples of arrays from outside (Numba's
-    parfors pass only arrays and scalars into the loop body), so the weights cross it taken apart and are rebuilt
-    inside by :func:`_unflat`: a float weight as ``(w, 0, 0, 0, 0)``, int8 as ``(q, scales, 0, 0, g)``; int4 and
-    ggml tuples have five items already."""
-    if isinstance(w, types.Array):
-        return lambda w: (w, 0, 0, 0, 0)
-    if len(w.types) == 3:
-        return lambda w: (w[0], w[1], 0, 0, w[2])
-    return lambda w: w
-
-
-def _unflat(a, b, c, d, e):  # pragma: no cover - replaced by the overload inside jitted code
-    raise NotImplementedError
-
-
-@overload(_unflat)
-def _unflat_overload(a, b, c, d, e):
-    """The projection :func:`_flat` took apart."""
-    if isinstance(b, types.Integer):
-        return lambda a, b, c, d, e: a
-    if isinstance(c, types.Integer) and b.dtype != types.uint8:  # a ggml tuple's b is uint8 blocks: kept whole
-        return lambda a, b, c, d, e: (a, b, e)
-    return lambda a, b, c, d, e: (a, b, c, d, e)
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _flat_weights(w):  # pragma: no cover - compiled
-    """:class:`LayerWeights` as :class:`FlatLayerWeights`, plain values that can enter a parallel region."""
-    q0, q1, q2, q3, q4 = _flat(w.qkv_w)
-    o0, o1, o2, o3, o4 = _flat(w.o_w)
-    g0, g1, g2, g3, g4 = _flat(w.gate_up_w)
-    d0, d1, d2, d3, d4 = _flat(w.down_w)
-    return FlatLayerWeights(q0, q1, q2, q3, q4, w.qkv_b, o0, o1, o2, o3, o4, w.o_b, g0, g1, g2, g3, g4, w.gate_up_b,
-                            d0, d1, d2, d3, d4, w.down_b)
-
-
-@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _unflat_weights(f):  # pragma: no cover - compiled
-    """The :class:`LayerWeights` :func:`_flat_weights` took apart, with the types the caller built it with."""
-    return LayerWeights(_unflat(f.qkv0, f.qkv1, f.qkv2, f.qkv3, f.qkv4), f.qkv_b,
-                        _unflat(f.o0, f.o1, f.o2, f.o3, f.o4), f.o_b,
-                        _unflat(f.gate_up0, f.gate_up1, f.gate_up2, f.gate_up3, f.gate_up4), f.gate_up_b,
-                        _unflat(f.down0, f.down1, f.down2, f.down3, f.down4), f.down_b)
-
-
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                bufs, n_claims):  # pragma: no cover - compiled
-    """:func:`_layer_worker` with the weights as :class:`FlatLayerWeights`, for the parallel region; it rebuilds the
-    :class:`LayerWeights` with the types the serial kernel passes, so both share one compiled ``_layer_worker``."""
-    _layer_worker(x, h, _unflat_weights(flat), norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots,
-                  schedule, isa, bufs, n_claims)
-
-
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _rows_per_item(schedule, hq):  # pragma: no cover - compiled
     """Query rows of the step's largest item: ``Hq`` times its longest sequence's query count (a plain loop, not
@@ -572,47 +515,139 @@ def _buffers(x, h, weights, hq, d, n_items, item_rows, isa):  # pragma: no cover
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _records(weights, norms, config, schedule):  # pragma: no cover - compiled
-    """The named records from the plain tuples :func:`decoder_layer_kernel` passes: Numba's dispatcher types a
-    plain tuple in C but a named one in Python, ~1.5 us more per record and call (30 layers a token)."""
-    return LayerWeights(*weights), LayerNorms(*norms), LayerConfig(*config), DecodeSchedule(*schedule)
+def _syncs(n_layers):  # pragma: no cover - compiled
+    """Zeroed phase counters, one row per layer: a worker that leaves a layer's last wait early starts the next layer
+    on counters no other worker still reads, so nothing is reset between layers."""
+    syncs = np.empty((n_layers, 2 * _PHASES), dtype=np.int64)
+    for i in range(n_layers):  # not np.zeros: in a parallel=True function that becomes a parallel fill, which
+        for j in range(2 * _PHASES):  # wakes the thread pool on every call
+            syncs[i, j] = 0
+    return syncs
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _with_sync(b, sync):  # pragma: no cover - compiled
+    """``b`` with its phase counters replaced by ``sync``."""
+    return LayerBuffers(
+        qkv_in0=b.qkv_in0, qkv_in1=b.qkv_in1, qkv_in2=b.qkv_in2, qkv_acc=b.qkv_acc, qkv=b.qkv,
+        o_in0=b.o_in0, o_in1=b.o_in1, o_in2=b.o_in2, o_acc=b.o_acc, a_out=b.a_out,
+        gu_in0=b.gu_in0, gu_in1=b.gu_in1, gu_in2=b.gu_in2, gu_acc=b.gu_acc, gu=b.gu, act=b.act,
+        down_in0=b.down_in0, down_in1=b.down_in1, down_in2=b.down_in2, down_acc=b.down_acc, m=b.m,
+        att_s=b.att_s, h2=b.h2, qf=b.qf, part_out=b.part_out, part_lse=b.part_lse, att=b.att, lse=b.lse,
+        sync=sync,
+    )
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _serial_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule,
-                  isa):  # pragma: no cover - compiled
-    """:func:`decoder_layer_kernel` on the calling thread (each GEMV claimed whole)."""
-    weights, norms, config, schedule = _records(weights, norms, config, schedule)
-    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0],
-                    _rows_per_item(schedule, config.num_q_heads), isa)
-    # Straight to _layer_worker (one compiled level fewer than through _layer_flat: each level re-optimizes the code
-    # it links, ~10 s). np.int64, not a bare constant: Numba would pass a literal's own type and compile
-    # _layer_worker a second time for the parallel kernel's call (~30 s).
-    _layer_worker(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                  bufs, np.int64(1))
+def _layers_worker(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa, bufs, syncs,
+                   n_claims):  # pragma: no cover - compiled
+    """One worker's share of every layer of ``layers`` in turn (:func:`_layer_worker` per layer). The buffers are
+    shared by the layers: a layer's last phase ends with every worker waiting for it, so nothing still reads them
+    when the next layer starts writing."""
+    for i in range(len(layers)):
+        weights, norms = layers[i]
+        k_rows, v_rows, kv_quant = kvs[i]
+        _layer_worker(x, h, LayerWeights(*weights), LayerNorms(*norms), config, positions, cos, sin, k_rows, v_rows,
+                      kv_quant, slots, schedule, isa, _with_sync(bufs, syncs[i]), n_claims)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _run_buffers(x, h, layers, kvs, config, schedule, isa):  # pragma: no cover - compiled
+    """The buffers every layer of the run shares (they have the same shapes: ``layer_lists`` groups them so)."""
+    return _buffers(x, h, LayerWeights(*layers[0][0]), config.num_q_heads, kvs[0][0].shape[2],
+                    schedule.item_seq.shape[0], _rows_per_item(schedule, config.num_q_heads), isa)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _serial_layers(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa):  # pragma: no cover
+    """:func:`decoder_layers_kernel` on the calling thread (each GEMV claimed whole)."""
+    config = LayerConfig(*config)
+    schedule = DecodeSchedule(*schedule)
+    bufs = _run_buffers(x, h, layers, kvs, config, schedule, isa)
+    # np.int64, not a bare constant: Numba would pass a literal's own type and compile _layers_worker a second time
+    # for the parallel kernel's call (~30 s)
+    _layers_worker(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa, bufs, _syncs(len(layers)),
+                   np.int64(1))
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _parallel_layer(x, h, weights, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                    n_workers):  # pragma: no cover - compiled
-    """:func:`decoder_layer_kernel` as ``n_workers`` workers in one parallel region."""
-    # Built by calls to the record classes here, not through _records: a named tuple entering a parallel region must
-    # come from such a call (or be an argument), where Numba's parfor lowering finds its class.
-    weights = LayerWeights(*weights)
-    norms = LayerNorms(*norms)
+def _parallel_layers(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa,
+                     n_workers):  # pragma: no cover - compiled
+    """:func:`decoder_layers_kernel` as ``n_workers`` workers in one parallel region for all the layers."""
+    # Built by calls to the record classes here: a named tuple entering a parallel region must come from such a call
+    # (or be an argument), where Numba's parfor lowering finds its class. The layers' weights enter inside the typed
+    # lists: a parallel region cannot take tuples of arrays from outside, but a list is one value.
     config = LayerConfig(*config)
     schedule = DecodeSchedule(*schedule)
-    bufs = _buffers(x, h, weights, config.num_q_heads, k_rows.shape[2], schedule.item_seq.shape[0],
-                    _rows_per_item(schedule, config.num_q_heads), isa)
-    flat = _flat_weights(weights)
-    n_claims = np.int64(n_workers * CLAIMS_PER_WORKER)  # see _serial_layer
+    bufs = _run_buffers(x, h, layers, kvs, config, schedule, isa)
+    syncs = _syncs(len(layers))
+    n_claims = np.int64(n_workers * CLAIMS_PER_WORKER)  # see _serial_layers
     for _ in prange(n_workers):
-        _layer_flat(x, h, flat, norms, config, positions, cos, sin, k_rows, v_rows, kv_quant, slots, schedule, isa,
-                    bufs, n_claims)
+        _layers_worker(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa, bufs, syncs, n_claims)
 
 
 #: ``kv_quant`` of a cache in the model's dtype: no scales, and top / unit unused
 FLOAT_PAGES = (NO_SCALES, NO_SCALES, np.float32(0.0), np.float32(1.0))
+
+
+def layer_list(layers: list[tuple[LayerWeights, LayerNorms]]) -> List:
+    """``[(weights, norms), ...]`` as the typed list :func:`decoder_layers_kernel` takes (plain tuples inside: see
+    :mod:`~tessera.backends.cpu.kernel_args`). Every item must have the same Numba type and array shapes."""
+    out = List()
+    for weights, norms in layers:
+        out.append((tuple(weights), tuple(norms)))
+    return out
+
+
+def kv_list(kvs: list[tuple[np.ndarray, np.ndarray, tuple]]) -> List:
+    """``[(k_rows, v_rows, kv_quant), ...]`` per layer as the typed list :func:`decoder_layers_kernel` takes."""
+    out = List()
+    for item in kvs:
+        out.append(tuple(item))
+    return out
+
+
+def decoder_layers_kernel(
+    x: np.ndarray, h: np.ndarray, layers: List, kvs: List, config: LayerConfig, positions: np.ndarray,
+    cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, schedule: DecodeSchedule, isa: object, n_workers: int,
+) -> None:
+    """Run consecutive layers for ``T`` new tokens (one or more per sequence) and update ``x`` and ``h`` in place.
+
+    One call for a run of layers, not one per layer: at batch 1 on SmolLM2 (30 layers) a call cost ~5 us of
+    dispatch (typing and unboxing ~25 arguments) plus a thread-pool wake-up, where the layer itself takes ~80 us.
+
+    Parameters
+    ----------
+    x : storage ``[T, H]``, the residual stream before the first layer; after: the stream after the last.
+    h : storage ``[T, H]``, the first layer's normed input; after: the normed input of the layer after the run
+        (each layer's ``norms.next_norm_w``).
+    layers : :func:`layer_list` of the run's ``(weights, norms)``: each layer's projections and biases
+        (:class:`~tessera.backends.cpu.kernel_args.LayerWeights`) and norm weights
+        (:class:`~tessera.backends.cpu.kernel_args.LayerNorms`), all with one Numba type and the same shapes.
+    kvs : :func:`kv_list` of each layer's ``(k_rows, v_rows, kv_quant)``: its cache as storage rows
+        ``[rows, Hkv, D]`` (the model's dtype, or the codes of a quantized cache: int8, or e4m3 as uint8 bits) and
+        ``(k_scales, v_scales, top, unit)``: for codes, their float16 scale bits (int16 ``[rows, Hkv]``), the format's
+        largest code (float32; the new rows are quantized as ``tessera.kv.quantized.quantize_kv`` does, bit for bit)
+        and ``decode_kernel.code_unit``; for float pages :data:`FLOAT_PAGES`.
+    config : the scalars (:class:`~tessera.backends.cpu.kernel_args.LayerConfig`, built by ``LayerConfig.of``).
+    positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``, the run's RoPE tables.
+    slots : int64 ``[T]``, where the new K/V go.
+    schedule : :attr:`tessera.backends.cpu.decode.DecodePlan.schedule` of a plan over every sequence of the step
+        (the run's layers share it), whose queries are consecutive token rows in sequence order (``seq_q_start``
+        the running sum of ``seq_q_len``); split or not: the workers claim its items, then merge each sequence's parts.
+    isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
+        portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
+        ``_typeof_token`` for what a token inside a tuple costs at every call.
+    n_workers : 1 runs the layers on the calling thread; more runs them in one parallel region of that many workers.
+
+    Two compiled kernels behind one entry point: a model that only ever runs serial steps never compiles the
+    parallel region (~53 s cold on a 2-core Zen 3, 44 s of it its own; ``benchmarks/compile_times.py``).
+    """
+    config, schedule = tuple(config), tuple(schedule)  # see kernel_args: plain tuples type in C
+    if n_workers <= 1:
+        _serial_layers(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa)
+    else:
+        _parallel_layers(x, h, layers, kvs, config, positions, cos, sin, slots, schedule, isa, n_workers)
 
 
 def decoder_layer_kernel(
@@ -620,37 +655,7 @@ def decoder_layer_kernel(
     positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray,
     kv_quant: tuple, slots: np.ndarray, schedule: DecodeSchedule, isa: object, n_workers: int,
 ) -> None:
-    """Run one layer for ``T`` new tokens (one or more per sequence) and update ``x`` and ``h`` in place.
-
-    Parameters
-    ----------
-    x : storage ``[T, H]``, the residual stream before the layer; after: the stream after it.
-    h : storage ``[T, H]``, this layer's normed input; after: the next layer's normed input (``norms.next_norm_w``).
-    weights : the layer's projections and biases (:class:`~tessera.backends.cpu.kernel_args.LayerWeights`).
-    norms : its norm weights (:class:`~tessera.backends.cpu.kernel_args.LayerNorms`).
-    config : its scalars (:class:`~tessera.backends.cpu.kernel_args.LayerConfig`, built by ``LayerConfig.of``).
-    positions : int64 ``[T]``; cos, sin : float32 ``[P, rotary_dim / 2]``.
-    k_rows, v_rows : the layer's cache as storage rows ``[rows, Hkv, D]``: the model's dtype, or the codes of a
-        quantized cache (int8, or e4m3 as uint8 bits).
-    kv_quant : ``(k_scales, v_scales, top, unit)``: for codes, their float16 scale bits (int16 ``[rows, Hkv]``), the
-        format's largest code (float32; the new rows are quantized as ``tessera.kv.quantized.quantize_kv`` does, bit
-        for bit) and ``decode_kernel.code_unit``; for float pages :data:`FLOAT_PAGES`.
-    slots : int64 ``[T]``, where the new K/V go.
-    schedule : :attr:`tessera.backends.cpu.decode.DecodePlan.schedule` of a plan over every sequence of the step,
-        whose queries are consecutive token rows in sequence order (``seq_q_start`` the running sum of
-        ``seq_q_len``); split or not: the workers claim its items, then merge each sequence's parts.
-    isa : the ISA token of the int8-activation ``qgemv`` variant that runs the packed projections, or None for the
-        portable int4 kernel. It is an argument of its own, not part of the weight tuples: see ``_int8_simd``'s
-        ``_typeof_token`` for what a token inside a tuple costs at every call.
-    n_workers : 1 runs the layer on the calling thread; more runs it in one parallel region of that many workers.
-
-    Two compiled kernels behind one entry point: a model that only ever runs serial steps never compiles the
-    parallel region (~53 s cold on a 2-core Zen 3, 44 s of it its own; ``benchmarks/compile_times.py``).
-    """
-    records = tuple(weights), tuple(norms), tuple(config), tuple(schedule)  # see _records
-    if n_workers <= 1:
-        _serial_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, kv_quant,
-                      slots, records[3], isa)
-    else:
-        _parallel_layer(x, h, records[0], records[1], records[2], positions, cos, sin, k_rows, v_rows, kv_quant,
-                        slots, records[3], isa, n_workers)
+    """One layer through :func:`decoder_layers_kernel` (the same compiled kernels), for callers that time or tune a
+    single layer; building its two one-item lists costs ~10 us a call, so decoding runs whole runs of layers."""
+    decoder_layers_kernel(x, h, layer_list([(weights, norms)]), kv_list([(k_rows, v_rows, kv_quant)]), config,
+                          positions, cos, sin, slots, schedule, isa, n_workers)

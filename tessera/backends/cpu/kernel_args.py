@@ -10,8 +10,9 @@ At the boundary from Python the records travel as plain tuples (``tuple(record)`
 measured 2.5 against 1.5 us per call for 20 arrays (``/tmp`` micro-benchmark, Zen 4, 2026-12-03).
 
 A record of arrays and scalars crosses into a Numba ``prange`` body as it is. A record holding a tuple (a packed
-weight) cannot: Numba's parallel regions take only arrays and scalars, so :class:`LayerWeights` is taken apart
-into :class:`FlatLayerWeights` before the region and rebuilt inside it (``decode_layer._flat_weights``).
+weight) cannot: Numba's parallel regions take only arrays, scalars and single values such as a typed list, so the
+fused decode layers receive each layer's :class:`LayerWeights` and :class:`LayerNorms` as plain tuples inside a
+``numba.typed.List`` and rebuild the records inside the region (``decode_layer._layers_worker``).
 """
 
 from __future__ import annotations
@@ -86,36 +87,6 @@ class LayerConfig(NamedTuple):
     def of(w_offset: float, eps: float, act_kind: int, num_q_heads: int) -> LayerConfig:
         """The record with its fields in the types the compiled kernels take."""
         return LayerConfig(np.float32(w_offset), np.float32(eps), np.int64(act_kind), np.int64(num_q_heads))
-
-
-class FlatLayerWeights(NamedTuple):
-    """:class:`LayerWeights` as plain values, for a parallel region: each projection as five values (a float weight
-    as ``(w, 0, 0, 0, 0)``, int8 as ``(codes, scales, 0, 0, group)``, int4 as its own five)."""
-
-    qkv0: object
-    qkv1: object
-    qkv2: object
-    qkv3: object
-    qkv4: object
-    qkv_b: np.ndarray
-    o0: object
-    o1: object
-    o2: object
-    o3: object
-    o4: object
-    o_b: np.ndarray
-    gate_up0: object
-    gate_up1: object
-    gate_up2: object
-    gate_up3: object
-    gate_up4: object
-    gate_up_b: np.ndarray
-    down0: object
-    down1: object
-    down2: object
-    down3: object
-    down4: object
-    down_b: np.ndarray
 
 
 class LayerBuffers(NamedTuple):

@@ -57,10 +57,10 @@ def roof_of(op: str, args: tuple) -> str | None:
     if op in ("qmatmul", "lm_head") and len(args) > 1 and isinstance(args[1], QuantizedWeight):
         if _qdot.unsupported(args[1]) is None and _qdot.chosen_token(args[1]) is not None:
             return "int8"
-    if op == "fused_decoder_layer" and any(isinstance(a, IsaToken) for a in args):
-        weights = next((a for a in args if isinstance(a, LayerWeights)), None)
-        if weights is not None and any(isinstance(w, tuple) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w,
-                                                                       weights.down_w)):
+    if op == "fused_decoder_layers" and any(isinstance(a, IsaToken) for a in args) and len(args) > 2 \
+            and len(args[2]) > 0:
+        weights = LayerWeights(*args[2][0][0])  # the first layer's plain weights tuple in the kernel's typed list
+        if any(isinstance(w, tuple) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w)):
             return "int8"
     return None
 

@@ -11,25 +11,30 @@ from tessera.backends.cpu.kernel_args import LayerConfig, LayerWeights
 from tessera.hw import roofline
 
 
-def fused_layer_cost(x: np.ndarray, h: np.ndarray, weights: LayerWeights, norms: Any, config: LayerConfig,
-                     positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_rows: np.ndarray,
-                     *rest: Any) -> roofline.Cost:
-    """One fused decoder layer (``decode_layer.decoder_layer_kernel``): its four weight matrices once,
-    ``2 T params`` FLOPs, plus each sequence's attention: its new tokens (several in a speculative verification
-    step) over its cached keys, each key read once per sequence. ``rest`` is ``(v_rows, slots, schedule, ...)``."""
+def fused_layers_cost(x: np.ndarray, h: np.ndarray, layers: Any, kvs: Any, config: LayerConfig,
+                      positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, slots: np.ndarray, schedule: Any,
+                      *rest: Any) -> roofline.Cost:
+    """A run of fused decoder layers (``decode_layer.decoder_layers_kernel``), per layer: its four weight matrices
+    once, ``2 T params`` FLOPs, plus each sequence's attention: its new tokens (several in a speculative verification
+    step) over its cached keys, each key read once per sequence. ``layers`` / ``kvs`` are the kernel's typed lists of
+    ``(weights, norms)`` and ``(k_rows, v_rows, kv_quant)``."""
     tokens = x.shape[0]
-    mats = [projection_params_bytes(w) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w)]
-    params = sum(p for p, _ in mats)
-    kv_heads, head_dim = k_rows.shape[1], k_rows.shape[2]
     elem = x.itemsize
-    schedule = rest[2] if len(rest) > 2 else None
     if schedule is not None and hasattr(schedule, "seq_q_len"):
         q_lens, kv_lens = [int(q) for q in schedule.seq_q_len], [int(k) for k in schedule.seq_kv_len]
     else:  # one query per sequence
         q_lens, kv_lens = [1] * tokens, [int(p) + 1 for p in positions]
-    attn = roofline.attention_cost(q_lens, kv_lens, int(config.num_q_heads), kv_heads, head_dim, elem)
-    acts = 4 * tokens * x.shape[1] * elem  # x and h, read and written in place
-    return 2.0 * tokens * params + attn[0], float(sum(b for _, b in mats) + attn[1] + acts)
+    flops = traffic = 0.0
+    for i in range(len(layers)):
+        weights = LayerWeights(*layers[i][0])
+        k_rows = kvs[i][0]
+        mats = [projection_params_bytes(w) for w in (weights.qkv_w, weights.o_w, weights.gate_up_w, weights.down_w)]
+        attn = roofline.attention_cost(q_lens, kv_lens, int(config.num_q_heads), k_rows.shape[1], k_rows.shape[2],
+                                       elem)
+        acts = 4 * tokens * x.shape[1] * elem  # x and h, read and written in place
+        flops += 2.0 * tokens * sum(p for p, _ in mats) + attn[0]
+        traffic += float(sum(b for _, b in mats) + attn[1] + acts)
+    return flops, traffic
 
 
 def projection_params_bytes(w: Any) -> tuple[int, int]:
@@ -47,5 +52,5 @@ def projection_params_bytes(w: Any) -> tuple[int, int]:
 #: (module path, attribute, op name, cost function): ``fused_decode`` imported the kernel by name, so it is patched
 #: there
 PROFILE_TARGETS = (
-    ("tessera.backends.cpu.ops.fused_decode", "decoder_layer_kernel", "fused_decoder_layer", fused_layer_cost),
+    ("tessera.backends.cpu.ops.fused_decode", "decoder_layers_kernel", "fused_decoder_layers", fused_layers_cost),
 )

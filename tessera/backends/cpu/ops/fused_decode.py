@@ -4,7 +4,7 @@ A small decode step is at most ``SMALL_M`` new tokens, one or a few per sequence
 verification of drafted tokens). :func:`fused_layers` is the cpu backend's ``fused_decode_layers`` op, which
 :func:`tessera.models.paged.forward_step` tries first wherever the model's backend offers one
 (``tessera.kernels.registry.resolve_optional``). It takes the step when the model and the step fit
-:func:`tessera.backends.cpu.decode_layer.decoder_layer_kernel` (why each condition exists is noted where it is
+:func:`tessera.backends.cpu.decode_layer.decoder_layers_kernel` (why each condition exists is noted where it is
 checked) and returns None otherwise, so the per-op path runs. Both paths call the same Numba
 helpers in the same order, so their logits agree to float32 rounding (``tests/models/test_fused_decode.py``; LLVM may
 order a fastmath reduction differently where the fused layer's row kernels are compiled).
@@ -16,6 +16,7 @@ step in Python between kernels; see docs/engine.md for the numbers after fusion.
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 
 import numba
@@ -26,7 +27,9 @@ from tessera import kernels as K
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.backend import CpuPlan
 from tessera.backends.cpu.decode_kernel import code_unit
-from tessera.backends.cpu.decode_layer import FLOAT_PAGES, PARALLEL_WORK, decoder_layer_kernel
+from tessera.backends.cpu.decode_layer import (
+    FLOAT_PAGES, PARALLEL_WORK, decoder_layers_kernel, kv_list, layer_list,
+)
 from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeights
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops._narrow import storage_view
@@ -95,16 +98,39 @@ def _weight_view(w):
     return storage_view(w.detach())
 
 
-def _layer_views(model) -> tuple[list[tuple], int, object] | None:
+def _shapes(value) -> tuple:
+    """The shapes of every array in a nested tuple of arrays and scalars (None for a scalar)."""
+    if isinstance(value, tuple):
+        return tuple(_shapes(v) for v in value)
+    return getattr(value, "shape", None)
+
+
+def _runs(config: ModelConfig, views: list[tuple]) -> list[tuple[int, int, object]]:
+    """The layers cut into runs that one :func:`decoder_layers_kernel` call takes: consecutive layers whose
+    arguments have one Numba type and the same shapes (the run shares its buffers), one RoPE table and one attention
+    window (the run shares its schedule). ``(start, stop, typed list of the run's views)`` each."""
+    keys = [(numba.typeof((tuple(w), tuple(n))), _shapes((tuple(w), tuple(n))), config.layer_rope[i],
+             config.layer_windows[i]) for i, (w, n) in enumerate(views)]
+    runs, start = [], 0
+    for i in range(1, len(views) + 1):
+        if i == len(views) or keys[i] != keys[start]:
+            runs.append((start, i, layer_list(views[start:i])))
+            start = i
+    return runs
+
+
+def _layer_views(model) -> tuple[list[tuple], int, object, list] | None:
     """Per layer, the kernel's weight arguments as NumPy storage views; the multiply-adds of the biggest projection
-    at one row of x; and the ISA token of the ``qgemv`` variant for the packed projections (None: portable). None
-    when the model cannot be fused. Built on the first decode step, kept in :data:`_VIEWS` while the model lives,
-    and rebuilt when a weight is replaced or the ``qgemv`` variant changes."""
+    at one row of x; the ISA token of the ``qgemv`` variant for the packed projections (None: portable); and the
+    layers as :func:`_runs`. None when the model cannot be fused. Built on the first decode step, kept in
+    :data:`_VIEWS` while the model lives, and rebuilt when a weight is replaced or the ``qgemv`` variant changes."""
     variant = variants.choose("qgemv").name  # the views embed the variant: a forced change rebuilds them
-    identity = tuple(map(id, model.weights.values()))
     cached = _VIEWS.get(id(model))
-    if cached is not None and cached[0] == variant and cached[1] == identity:
+    # identity by ``is`` over the weights in C (3 us for SmolLM2's 273), not a tuple of ids built per step (10 us)
+    if cached is not None and cached[0] == variant and len(cached[1]) == len(model.weights) and \
+            all(map(operator.is_, cached[1], model.weights.values())):
         return cached[2]
+    identity = list(model.weights.values())
     config, w = model.config, model.weights
     views = None
     if unsupported_reason(config, w) is None:
@@ -142,18 +168,20 @@ def _layer_views(model) -> tuple[list[tuple], int, object] | None:
         # cold), which a float model never runs
         packed = [t for name, t in w.items() if name.startswith("layers.")
                   and isinstance(t, (QuantizedWeight, StackedWeight))]
-        views = (views, largest, qdot.chosen_token(*packed) if packed else None)
+        views = (views, largest, qdot.chosen_token(*packed) if packed else None, _runs(config, views))
     _remember(_VIEWS, model, (variant, identity, views))
     return views
 
 
-def _kv_rows(cache, config: ModelConfig) -> list[tuple[np.ndarray, np.ndarray, tuple]]:
-    """Per layer, the cache's K and V pages as the kernel's storage rows ``[rows, Hkv, D]`` and its ``kv_quant``
-    (``decoder_layer_kernel``): built once per cache instead of two tensor views per layer and step, and rebuilt if
-    its page tensors were replaced."""
+def _kv_lists(cache, config: ModelConfig, runs: list) -> list:
+    """Per run of layers (:func:`_runs`), the :func:`~tessera.backends.cpu.decode_layer.kv_list` of its layers'
+    K and V pages as the kernel's storage rows ``[rows, Hkv, D]`` and ``kv_quant`` (``decoder_layers_kernel``): built
+    once per cache and set of runs instead of two tensor views per layer and step, and rebuilt if its page tensors
+    were replaced."""
     cached = _KV_ROWS.get(id(cache))
-    if cached is not None and all(a is b for a, b in zip(cached[0], cache.k_pages)) and \
-            all(a is b for a, b in zip(cached[1], cache.v_pages)):
+    bounds = [(start, stop) for start, stop, _ in runs]
+    if cached is not None and cached[3] == bounds and all(map(operator.is_, cached[0], cache.k_pages)) and \
+            all(map(operator.is_, cached[1], cache.v_pages)):
         return cached[2]
     rows = (-1, config.num_kv_heads, config.head_dim)
     if getattr(cache, "kv_cache_dtype", None) is None:
@@ -167,8 +195,9 @@ def _kv_rows(cache, config: ModelConfig) -> list[tuple[np.ndarray, np.ndarray, t
             codes = k.code_bits().numpy()
             views.append((codes, v.code_bits().numpy(),
                           (storage_view(k.scales), storage_view(v.scales), top, code_unit(codes))))
-    _remember(_KV_ROWS, cache, (list(cache.k_pages), list(cache.v_pages), views))
-    return views
+    lists = [kv_list(views[start:stop]) for start, stop in bounds]
+    _remember(_KV_ROWS, cache, (list(cache.k_pages), list(cache.v_pages), lists, bounds))
+    return lists
 
 
 def _workers(work: int) -> int:
@@ -199,7 +228,7 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     prepared = _layer_views(model)
     if prepared is None:
         return None
-    views, largest, isa = prepared
+    _, largest, isa, runs = prepared
     states, attention_parallel = {}, False
     # Each sequence's queries must be the consecutive token rows after the previous sequence's: the kernel's rows
     # phase writes token row seq_q_start[s] + i of the o projection's input for every sequence.
@@ -231,13 +260,10 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     layer_config = LayerConfig.of(1.0 if config.norm == "rms_gemma" else 0.0, config.norm_eps,
                                   _ACT_KINDS[config.activation], config.num_heads)
     tables = {name: (rope.cos.numpy(), rope.sin.numpy()) for name, rope in ropes.items()}
-    kv_rows = _kv_rows(cache, config)
-    for i in range(config.num_layers):
-        weights, norms = views[i]
-        cos, sin = tables[config.layer_rope[i]]
-        k_rows, v_rows, kv_quant = kv_rows[i]
-        decoder_layer_kernel(xs, hs, weights, norms, layer_config, pos, cos, sin, k_rows, v_rows, kv_quant, slots,
-                             states[config.layer_windows[i]], isa, n_workers)
+    for (start, _, layers), kvs in zip(runs, _kv_lists(cache, config, runs)):
+        cos, sin = tables[config.layer_rope[start]]
+        decoder_layers_kernel(xs, hs, layers, kvs, layer_config, pos, cos, sin, slots,
+                              states[config.layer_windows[start]], isa, n_workers)
     return h
 
 
