@@ -78,7 +78,12 @@ def _embed_packed(ids: torch.Tensor, table: QuantizedWeight, scale: float | None
 
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"embed: dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-    rows = dequantize(table.rows(ids.reshape(-1).to(torch.int64)), backend=backend).to(dtype)
+    index = ids.reshape(-1).to(torch.int64)
+    # a backend's own row de-quantization where it has one (the same values; None for a format it does not take)
+    direct = registry.resolve_optional("embed_packed", backend, table.device)
+    rows = direct(index, table, dtype) if direct is not None else None
+    if rows is None:
+        rows = dequantize(table.rows(index), backend=backend).to(dtype)
     if scale is not None:
         rows = (rows.float() * float(scale)).to(dtype)
     return rows.reshape(*ids.shape, table.shape[1])

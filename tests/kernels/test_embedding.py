@@ -119,15 +119,21 @@ def test_errors_name_the_problem():
 
 
 def _packed_tables(gen: torch.Generator, vocab: int, width: int):
-    """The same random table packed in a 32-value format and a K-quant (width a multiple of 256)."""
+    """The same random table packed in the 32-value formats (float32 scales from Tessera's quantizer, float16 from
+    GGUF's Q8_0 / Q4_1 blocks) and a K-quant (width a multiple of 256)."""
+    import gguf
     import numpy as np
 
     from tessera.kernels.ggml_quantize import quantize_rows
     from tessera.kernels.quant import from_gguf, quantize
 
     w = torch.randn(vocab, width, generator=gen)
-    return {"int8": quantize(w, "int8", group_size=32),
-            "q4_k": from_gguf(quantize_rows(w.numpy().astype(np.float32), "q4_k"), "Q4_K", (vocab, width))}
+    rows = w.numpy().astype(np.float32)
+    gguf_block = lambda kind: from_gguf(gguf.quants.quantize(rows, getattr(gguf.GGMLQuantizationType, kind)),  # noqa: E731
+                                        kind, (vocab, width))
+    return {"int8": quantize(w, "int8", group_size=32), "int4": quantize(w, "int4", group_size=64),
+            "int4_min": quantize(w, "int4_min", group_size=32), "q8_0": gguf_block("Q8_0"),
+            "q4_1": gguf_block("Q4_1"), "q4_k": from_gguf(quantize_rows(rows, "q4_k"), "Q4_K", (vocab, width))}
 
 
 @pytest.mark.parametrize("backend", kernel_backends())
@@ -140,7 +146,7 @@ def test_embed_packed_table_reads_the_dequantized_rows(backend, dtype, ids_shape
 
     for fmt, packed in _packed_tables(gen, 37, 512).items():
         dense = dequantize(packed, backend="reference").to(dtype)
-        ids = torch.randint(0, 37, ids_shape, generator=gen)
+        ids = torch.randint(0, 37, ids_shape, generator=gen)  # repeats included
         out = embed(ids, packed, dtype=dtype, backend=backend)
         assert out.dtype == dtype and out.shape == (*ids_shape, 512)
         assert torch.equal(out, embed(ids, dense, backend="reference")), fmt
