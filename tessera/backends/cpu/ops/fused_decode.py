@@ -32,12 +32,12 @@ from tessera.backends.cpu.decode_layer import (
 )
 from tessera.backends.cpu.kernel_args import LayerConfig, LayerNorms, LayerWeights
 from tessera.backends.cpu.ops import _qdot as qdot
-from tessera.backends.cpu.ops._narrow import storage_view
+from tessera.backends.cpu.ops._narrow import no_rows, storage_view, vector_view
+from tessera.backends.cpu.ops.norms import _rms_norm_serial
 from tessera.backends.cpu.ops.quant import SMALL_M
 from tessera.kernels.quant import QuantizedWeight, StackedWeight
 from tessera.kv.quantized import KV_FORMATS
 from tessera.models.config import ModelConfig
-from tessera.models.layers import norm
 from tessera.tuning import tuned
 
 _ACT_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
@@ -200,6 +200,11 @@ def _kv_lists(cache, config: ModelConfig, runs: list) -> list:
     return lists
 
 
+def layer_config_offset(config: ModelConfig) -> float:
+    """The RMSNorm weight offset: 1.0 for Gemma's ``(1 + w)``, else 0.0."""
+    return 1.0 if config.norm == "rms_gemma" else 0.0
+
+
 def _workers(work: int) -> int:
     """Workers for a step whose biggest GEMV is ``work`` multiply-adds: all of Numba's threads, unless the step is so
     small that waking them costs more than they save (``fused_parallel_work``, measured by ``tessera tune``)."""
@@ -248,17 +253,22 @@ def fused_layers(model, cache, step, positions: torch.Tensor, ropes: dict, plan_
     # a big batch) makes the layer parallel even when its GEMVs alone would not.
     n_workers = numba.get_num_threads() if attention_parallel else _workers(t_count * largest)
     slots = step.slots.detach().to(torch.int64).numpy()
-    if slots.min() < 0 or slots.max() >= cache.num_slots or np.unique(slots).size != slots.size:
+    if slots.min() < 0 or slots.max() >= cache.num_slots or (slots.size > 1 and np.unique(slots).size != slots.size):
         raise ValueError(f"forward_step: slots must be distinct and in [0, {cache.num_slots}), got {slots.tolist()}")
     w = model.weights
     scale = K.gemma_embed_scale(config.hidden_size, model.dtype) if config.embed_scale else None
     x = K.embed(step.token_ids.long(), w["embed"], scale=scale, dtype=model.dtype, backend=model.backend)
-    h, x = norm(config, x, w, "layers.0.attn_norm", backend=model.backend)
-    h, x = h.contiguous(), x.contiguous().clone()  # both are updated in place, layer by layer
+    x = x.contiguous().clone()  # updated in place, layer by layer
+    h = torch.empty_like(x)
     xs, hs = storage_view(x), storage_view(h)
+    # the first layer's input norm by the per-op path's own kernel, called directly: through K.rms_norm's dispatch
+    # and checks it cost ~25 us a step, with the caches just flushed by the LM head
+    none = no_rows(x.dtype)
+    _rms_norm_serial(xs, none, vector_view(w["layers.0.attn_norm.weight"]), layer_config_offset(config),
+                     float(config.norm_eps), hs, none)  # Python floats, as the per-op call passes: one compilation
     pos = positions.to(torch.int64).numpy()
-    layer_config = LayerConfig.of(1.0 if config.norm == "rms_gemma" else 0.0, config.norm_eps,
-                                  _ACT_KINDS[config.activation], config.num_heads)
+    layer_config = LayerConfig.of(layer_config_offset(config), config.norm_eps, _ACT_KINDS[config.activation],
+                                  config.num_heads)
     tables = {name: (rope.cos.numpy(), rope.sin.numpy()) for name, rope in ropes.items()}
     for (start, _, layers), kvs in zip(runs, _kv_lists(cache, config, runs)):
         cos, sin = tables[config.layer_rope[start]]
