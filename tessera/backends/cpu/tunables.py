@@ -218,7 +218,8 @@ def _register_all() -> None:
             "efficient GEMM, small enough that the de-quantized tile stays in cache.",
     ), replace=True)
     register(Tunable(
-        "quant_gemv_max_m", dict(quant.QUANT_GEMV_MAX_M), GEMV_ROWS, None, tuple(quant.QUANT_GEMV_MAX_M),
+        "quant_gemv_max_m", {fmt: quant.gemv_max_m_default(fmt) for fmt in quant.QUANT_GEMV_MAX_M}, GEMV_ROWS, None,
+        tuple(quant.QUANT_GEMV_MAX_M),
         doc="Rows of x up to which qmatmul streams the packed weights through the quantized GEMV; above it, "
             "de-quantized tiles through BLAS win. Per format.",
         crossover=Crossover(_gemv_path, _tiles_path, inclusive=True, unit="rows", names=("packed GEMV", "BLAS tiles")),

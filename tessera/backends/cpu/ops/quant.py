@@ -32,6 +32,12 @@ SMALL_M = 8
 #: 576 x 1536, 960 x 576): int4 / int4_min between 128 and 256 rows (at 32 rows the GEMV took 1.1 ms vs 3.9 for the
 #: tiles), int8 between 64 and 128.
 QUANT_GEMV_MAX_M = {"int4": 128, "int4_min": 128, "int8": 64, "fp8_e4m3": 64}
+#: the same limits where the ``qgemm`` variant is a bf16 one (torch's bf16 GEMM on AVX512-BF16 or AMX tiles): the tiles
+#: then win far earlier. Zen 5, 2 threads, 2026-12-05 (packed rows / bf16 tiles, ms, min of 20 calls): int4 at 32 rows
+#: 0.65 / 0.66 (3072 x 576), 2.39 / 2.84 (5632 x 2048); at 48 rows 0.94 / 0.72 and 3.60 / 3.25; at 64 rows the tiles
+#: are 1.5-1.9x faster, at 128 rows 2.0-2.4x; int8 at 48 rows 0.50 / 0.62 and 2.77 / 2.63, at 64 about even. With the
+#: Zen 3 limits here, a 64-token SmolLM2 prompt cost 1.9 ms a token against 0.9 for a 512-token one.
+QUANT_GEMV_MAX_M_BF16 = {"int4": 40, "int4_min": 40, "int8": 48, "fp8_e4m3": 64}
 #: the ggml block formats' GEMV (one float32 decode per weight row, shared by the x rows) up to this many x rows; not
 #: yet measured against the BLAS tiles, so set where the decode is clearly amortized
 GGML_GEMV_MAX_M = 16
@@ -141,6 +147,13 @@ def _rows_slice(qw: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
                            part(qw.zeros), part(qw.mins))
 
 
+def gemv_max_m_default(fmt: str) -> int:
+    """The untuned ``quant_gemv_max_m`` of ``fmt``: :data:`QUANT_GEMV_MAX_M_BF16` under a bf16 ``qgemm`` variant,
+    else :data:`QUANT_GEMV_MAX_M` (``tessera tune`` measures the crossover on the machine itself)."""
+    table = QUANT_GEMV_MAX_M if variants.choose("qgemm").name == "fp32" else QUANT_GEMV_MAX_M_BF16
+    return table.get(fmt, SMALL_M)
+
+
 def _gemm_tiled(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """float32 ``x @ W.T`` through weight tiles of ``quant_tile_n`` rows de-quantized one at a time (the float
     matrix is never held whole), in the ``qgemm`` variant's precision.
@@ -210,7 +223,7 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     xf = x.float().contiguous()
     if qw.fmt in ggml.FMT_CODES:
         return _ggml_matmul(xf, qw).to(x.dtype)
-    gemv_max_m = tuned("quant_gemv_max_m", qw.fmt, QUANT_GEMV_MAX_M.get(qw.fmt, SMALL_M))
+    gemv_max_m = tuned("quant_gemv_max_m", qw.fmt, gemv_max_m_default(qw.fmt))
     out = _gemv(xf, qw) if x.shape[0] <= gemv_max_m else _gemm_tiled(xf, qw)
     return out.to(x.dtype)
 
