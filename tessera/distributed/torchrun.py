@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -206,6 +208,12 @@ def become_worker(model: Model, env: LaunchEnv, timeout_s: float) -> NoReturn:
     spec = WorkerSpec(env.rank, env.world, env.master_addr, plan.port, local_config(plan.config, shard), shard,
                       [s.vocab for s in shards], model.backend, plan.num_pages, plan.page_size, plan.kv_cache_dtype,
                       plan.threads, plan.timeout_s, plan.idle_timeout_s)
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C in torchrun's terminal reaches every rank (and torchrun's agent forwards it): rank 0 alone decides
+        # how to stop (a server drains its requests first) and then stops this rank, which exits 0. Dying on the
+        # interrupt here would fail rank 0's next step instead. SIGTERM keeps its default, so the agent can still
+        # end this rank; rank 0's death also ends it (its store goes with rank 0).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         serve_steps(spec, weights, whoami())
     except Exception as exc:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,5 +107,35 @@ def _run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
     server = make_server(args)
+    from tessera.distributed.torchrun import launch_env
+
+    if launch_env() is not None:  # rank 0 of a torchrun group: the worker ranks never get past make_server()
+        exit_cleanly_on_one_signal(server)
     server.run()
     return 0
+
+
+def exit_cleanly_on_one_signal(server: Any) -> None:
+    """Make ``server.run()`` return after one SIGTERM / SIGINT instead of re-raising the signal.
+
+    uvicorn re-raises a signal it caught once it has shut down (so a lone server dies "by" it, as its caller
+    expects). Under torchrun that makes rank 0 look killed: the agent counts the group as failed, tears down the
+    worker ranks and exits 1, although the app's lifespan has already stopped them cleanly. So on rank 0 of a
+    launched group one signal ends the process with 0, like the worker ranks; a second SIGINT (uvicorn's force
+    exit) still re-raises, so an impatient user gets the conventional interrupt code.
+
+    Parameters
+    ----------
+    server : a :class:`uvicorn.Server` (``tessera serve``'s :class:`tessera.server.GracefulServer`) not yet run.
+    """
+    capture = server.capture_signals
+
+    @contextlib.contextmanager
+    def capture_then_forget() -> Iterator[None]:
+        with capture():
+            yield
+            # runs after the lifespan's shutdown (which stopped the workers), before capture()'s exit re-raises
+            if not server.force_exit:
+                server._captured_signals.clear()
+
+    server.capture_signals = capture_then_forget

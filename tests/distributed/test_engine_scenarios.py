@@ -182,12 +182,14 @@ def test_structured_output_and_sampling_match(tmp_path):
     assert "@" in got[0][0] and gathers > 0
 
 
-def test_speculative_decoding_keeps_the_greedy_tokens(tiny):
-    # the draft runs on rank 0 alone (a self-draft quantizes the whole model, not rank 0's shard); the target
-    # verifies the drafts in one step over both ranks, with the logits gathered. The n-gram lookup needs no model and
-    # verifies the same way; one proposer keeps the test to two engines.
-    speculative = "self:q8_0"
+@pytest.mark.parametrize("speculative", ["self:q8_0", "ngram"])
+def test_speculative_decoding_keeps_the_greedy_tokens(tiny, speculative):
+    # the draft runs on rank 0 alone (a self-draft quantizes the whole model, not rank 0's shard; the n-gram lookup
+    # reads rank 0's token history and needs no model); the target verifies the drafts in one step over both ranks,
+    # with the logits gathered
     prompts = _prompts(VOCAB, (5, 17, 9), seed=5)
+    if speculative == "ngram":  # prompt lookup drafts only what the context repeats: give it repeats to find
+        prompts = [p * 3 for p in prompts]
     engine = {"page_size": 4, "num_pages": 64, "max_num_batched_tokens": 32}
     ref_llm = LLM(tiny, tensor_parallel_size=2, **engine)
     try:

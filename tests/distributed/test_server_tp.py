@@ -121,3 +121,57 @@ def test_cli_serve_sigterm_leaves_no_worker(char_dir, reference, tmp_path):
         time.sleep(0.1)
     assert all(_pid_gone(p) for p in workers), (workers, log_path.read_text())
     assert "Traceback" not in log_path.read_text(), log_path.read_text()
+
+
+def _rank_of(pid: int) -> int | None:
+    """The RANK torchrun gave process ``pid`` (read from /proc), or None for a process that is no rank."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_torchrun_serve_signal_exits_zero_everywhere(char_dir, reference, tmp_path, sig):
+    """``torchrun ... tessera serve``: one SIGTERM or SIGINT to rank 0 stops the server and the worker rank, every
+    rank exits 0 (so torchrun does too), and no process is left."""
+    from tests.distributed.test_torchrun import _env
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+             str(free_port()), "-m", "tessera.cli", "serve", "--model", str(char_dir), "--served-model-name",
+             MODEL_NAME, "--port", str(port), "--tensor-parallel-size", "2", "--page-size", "4", "--num-pages",
+             "128", "--max-num-seqs", "8", "--log-level", "warning"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        ranks: dict[int, int] = {}
+        try:
+            wait_until_healthy(url, proc, log_path)
+            ranks = {r: p for p in _descendants(proc.pid) if (r := _rank_of(p)) is not None}
+            assert sorted(ranks) == [0, 1], ranks
+            running = Running(url, None, None)
+            plain = running.client().completions.create(model=MODEL_NAME, prompt=PROMPT, stream=True, **GREEDY)
+            assert "".join(c.choices[0].text for c in plain if c.choices) == reference[1]
+            everyone = _descendants(proc.pid)
+            start = time.monotonic()
+            os.kill(ranks[0], sig)
+            code = proc.wait(timeout=30)
+            assert time.monotonic() - start < 30
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log_text = log_path.read_text()
+    assert code == 0, log_text[-3000:]  # torchrun exits 0 only when every rank did
+    deadline = time.monotonic() + 10
+    while not all(_pid_gone(p) for p in everyone) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_pid_gone(p) for p in everyone), (everyone, log_text[-3000:])
+    assert "Traceback" not in log_text, log_text[-3000:]
