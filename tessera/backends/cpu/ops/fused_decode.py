@@ -1,4 +1,4 @@
-"""Fused cpu decode: a small decode step runs each decoder layer as one Numba call.
+"""Fused cpu decode: a small decode step runs its decoder layers as one Numba call (per run of alike layers).
 
 A small decode step is at most ``SMALL_M`` new tokens, one or a few per sequence (plain decode, or a speculative
 verification of drafted tokens). :func:`fused_layers` is the cpu backend's ``fused_decode_layers`` op, which
