@@ -148,7 +148,7 @@ def _split_items(
                 np.arange(1, n + 1, dtype=np.int64))
     lengths = np.asarray(segs.end, dtype=np.int64) - np.asarray(segs.start, dtype=np.int64)
     total = int(lengths.sum())
-    target = max(total // (ITEMS_PER_THREAD * numba.get_num_threads()), MIN_PART_KEYS) if split else total + 1
+    target = max(total // (ITEMS_PER_THREAD * numba.get_num_threads()), MIN_PART_KEYS)
     item_seq, item_lo, item_hi, seq_lo, seq_hi = [], [], [], [], []
     for s, (lo, hi) in enumerate(seq_seg_ranges):
         seq_lo.append(len(item_seq))

@@ -87,9 +87,10 @@ def _int4_rows(ids, packed, scales, offsets, has_min, group, out):  # pragma: no
 
 def embed_packed(ids, table, dtype):
     """The rows ``ids`` (int64 ``[R]``) of a packed int8 / int4 / int4_min table de-quantized straight from its
-    arrays, rounded to ``dtype``: ``[R, H]``, equal to the reference ``dequantize(table.rows(ids)).to(dtype)``. None for another
-    format (the caller then de-quantizes the picked rows). A batch-1 decode step ran ~20 us in the generic path's
-    row pick and torch arithmetic (~95 us with the caches just flushed by the weight stream), ~2 us here."""
+    arrays, rounded to ``dtype``: ``[R, H]``, equal to the reference ``dequantize(table.rows(ids)).to(dtype)``. None
+    for another format (the caller then de-quantizes the picked rows). SmolLM2's Q8_0 table, one token:
+    ``K.embed`` took 20 us hot through the generic row pick and torch arithmetic, 12 us with this kernel (95 and
+    44 us in a decode step, where the weight stream has just flushed the caches; Zen 5, 2026-12-05)."""
     if table.fmt not in ("int8", "int4", "int4_min"):
         return None
     out = np.empty((ids.shape[0], table.shape[1]), dtype=np.float32)
