@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from tessera.distributed import torchrun
 from tessera.distributed.comm import Communicator, TensorParallelError
 from tessera.distributed.layers import bind
+from tessera.distributed.rank_local import ShardedLoad
 from tessera.distributed.sharding import local_config, mlp_unit, plan_shards, shard_weights
 from tessera.distributed.worker import JOINED_KEY, WorkerSpec, run_step, set_threads, step_message, worker_main
 from tessera.kv import PagedKVCache
@@ -122,6 +123,17 @@ class _Ranks:
             self.threads_before = None
 
 
+def _check_rank_local(load: ShardedLoad, launch: torchrun.LaunchEnv | None, world: int) -> None:
+    """A rank-local load holds one rank's shard: it can only serve as that rank of a torchrun group of its world
+    (spawned workers are sent their shards by rank 0, which needs the whole model for that)."""
+    if launch is None:
+        raise ValueError("TensorParallelEngine: a rank-local load (ShardedLoad) holds one rank's shard and runs only "
+                         "under torchrun; to spawn the workers here, pass the whole Model")
+    if load.rank != launch.rank or len(load.shards) != world:
+        raise ValueError(f"TensorParallelEngine: the rank-local load is rank {load.rank} of {len(load.shards)}, but "
+                         f"this process is rank {launch.rank} of {world}")
+
+
 class TensorParallelEngine:
     """Rank 0 of a ``world``-rank tensor-parallel group: on this machine, or on several under torchrun.
 
@@ -133,7 +145,9 @@ class TensorParallelEngine:
     Parameters
     ----------
     model : the whole model as this process loaded it (rank 0 keeps its shard; a spawned worker receives its own,
-        a launched worker cuts its own from its ``model``).
+        a launched worker cuts its own from its ``model``), or, under torchrun only, this rank's rank-local load
+        (:class:`tessera.distributed.rank_local.ShardedLoad`: its weights are this rank's shard already, and its
+        plan is every rank's cut).
     world : ranks, 2 or more; under torchrun it must equal ``WORLD_SIZE``.
     num_pages, page_size, kv_cache_dtype : the paged cache every rank allocates (each with its own KV heads).
     threads_per_rank : intra-op threads of each rank (rank 0 included).
@@ -143,7 +157,8 @@ class TensorParallelEngine:
     Raises
     ------
     ValueError
-        Under torchrun: ``WORLD_SIZE`` differs from ``world``, or the launch environment is incomplete.
+        Under torchrun: ``WORLD_SIZE`` differs from ``world``, or the launch environment is incomplete. A rank-local
+        load outside torchrun, or of another rank or world.
     SystemExit
         Under torchrun on ranks >= 1, with code 0, after rank 0 has stopped the group.
 
@@ -153,29 +168,35 @@ class TensorParallelEngine:
     cache : rank 0's cache handle (:class:`BroadcastCache`).
     """
 
-    def __init__(self, model: Model, world: int, num_pages: int, page_size: int, kv_cache_dtype: str | None = None,
-                 threads_per_rank: int = 1, timeout_s: float | None = None) -> None:
+    def __init__(self, model: Model | ShardedLoad, world: int, num_pages: int, page_size: int,
+                 kv_cache_dtype: str | None = None, threads_per_rank: int = 1, timeout_s: float | None = None) -> None:
         if not isinstance(world, int) or world < 2:
             raise ValueError(f"TensorParallelEngine: world must be an int >= 2, got {world!r}")
-        if model.device.type != "cpu":
-            raise ValueError(f"tensor parallelism runs on CPU ranks over gloo for now; the model is on {model.device}")
+        loaded = model.model if isinstance(model, ShardedLoad) else model
+        if loaded.device.type != "cpu":
+            raise ValueError(f"tensor parallelism runs on CPU ranks over gloo for now; the model is on {loaded.device}")
         self.world = world
         self.timeout_s = float(timeout_s if timeout_s is not None else
                                os.environ.get("TESSERA_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
         launch = torchrun.launch_env()
         if launch is not None:
             torchrun.check_world(launch, world)
-            if launch.rank > 0:
-                torchrun.become_worker(model, launch, self.timeout_s)  # never returns
-        config, weights = model.config, model.weights
-        shards = plan_shards(config, world, mlp_unit(weights, config.num_layers))
+        if isinstance(model, ShardedLoad):
+            _check_rank_local(model, launch, world)
+        if launch is not None and launch.rank > 0:
+            torchrun.become_worker(model, launch, self.timeout_s)  # never returns
+        config, weights = loaded.config, loaded.weights
+        if isinstance(model, ShardedLoad):
+            shards = model.shards
+        else:
+            shards = plan_shards(config, world, mlp_unit(weights, config.num_layers))
         vocab_ranges = [s.vocab for s in shards]
         self._ranks = _Ranks()
         self._finalizer = weakref.finalize(self, self._ranks.finalize)
         self._error: TensorParallelError | None = None
         if launch is None:
             host, port = rendezvous()
-            self._spawn(model, shards, host, port, num_pages, page_size, kv_cache_dtype, threads_per_rank)
+            self._spawn(loaded, shards, host, port, num_pages, page_size, kv_cache_dtype, threads_per_rank)
         else:
             host, port = launch.master_addr, 0  # port 0: rank 0's own store takes a free port, published in the plan
             self._ranks.launched = True
@@ -201,8 +222,9 @@ class TensorParallelEngine:
         self._ranks.threads_before = torch.get_num_threads()
         set_threads(threads_per_rank)
         shard0 = shards[0]
-        bound = bind(shard_weights(config, weights, shard0), shard0, vocab_ranges, self.comm)
-        self.model = dataclasses.replace(model, config=local_config(config, shard0), weights=bound)
+        own = weights if isinstance(model, ShardedLoad) else shard_weights(config, weights, shard0)
+        bound = bind(own, shard0, vocab_ranges, self.comm)
+        self.model = dataclasses.replace(loaded, config=local_config(config, shard0), weights=bound)
         self.cache = BroadcastCache(new_cache(self.model, num_pages, page_size, kv_cache_dtype))
 
     def _spawn(self, model: Model, shards: list, host: str, port: int, num_pages: int, page_size: int,

@@ -2,9 +2,10 @@
 
 Every process runs the same command. ``LLM(..., tensor_parallel_size=N)`` makes rank 0 the engine, as on one
 machine, except that it spawns nothing; on ranks 1 .. N-1 the same constructor turns the process into a worker: it
-cuts its own shard from the checkpoint it loaded itself, joins the group, runs every step rank 0 sends, and when
-rank 0 stops the group it ends the process with ``SystemExit(0)``, so the code after ``LLM(...)`` runs on rank 0
-only. No shard travels between ranks.
+loads its own shard of the checkpoint (rank-locally, :mod:`tessera.distributed.rank_local`: each weight is cut as
+it is read, so no rank holds the whole model; given a loaded ``Model``, it cuts its shard from that), joins the
+group, runs every step rank 0 sends, and when rank 0 stops the group it ends the process with ``SystemExit(0)``, so
+the code after ``LLM(...)`` runs on rank 0 only. No shard travels between ranks.
 
 The rendezvous has two stages. torchrun's store (``env://``: ``MASTER_ADDR`` / ``MASTER_PORT``, hosted by torchrun's
 agent on the first node) carries one value: the :class:`GroupPlan`, which holds the port of a store that rank 0 hosts
@@ -30,6 +31,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from tessera.distributed.comm import TensorParallelError
+from tessera.distributed.rank_local import ShardedLoad, weight_form
 from tessera.distributed.sharding import RankShard, local_config, shard_weights
 from tessera.distributed.worker import WorkerSpec, serve_steps, set_threads
 from tessera.models.config import ModelConfig
@@ -59,9 +61,10 @@ class GroupPlan:
     Attributes
     ----------
     port : the port of rank 0's own store, on ``MASTER_ADDR``.
-    config, forms : the whole model as rank 0 loaded it (:func:`weight_forms`); a worker that loaded something else
-        refuses.
-    shards : every rank's part, as rank 0 planned it (workers cut theirs by it rather than plan again).
+    config, forms : the whole model as rank 0 loaded it (:func:`weight_forms`; a rank-local load records each whole
+        weight's form as it passes); a worker that loaded something else refuses.
+    shards : every rank's part, as rank 0 planned it. A worker given a loaded ``Model`` cuts its shard by it; a
+        rank-local worker planned the same from the checkpoint's header before loading, and refuses if they differ.
     num_pages, page_size, kv_cache_dtype : the paged KV cache every rank allocates.
     threads, timeout_s, idle_timeout_s : as :class:`tessera.distributed.worker.WorkerSpec`.
     """
@@ -140,24 +143,26 @@ def publish_plan(env: LaunchEnv, plan: GroupPlan) -> dist.Store:
 
 
 def weight_forms(weights: dict) -> dict[str, str]:
-    """Each weight's kind, format or dtype, and shape: what two ranks' loads of one checkpoint agree on exactly
-    (a different file, dtype or ``keep_quantized`` shows up here)."""
-    def form(w) -> str:
-        kind = getattr(w, "fmt", None) or getattr(w, "dtype", None)
-        return f"{type(w).__name__} {kind} {tuple(getattr(w, 'shape', ()))}"
-
-    return {name: form(w) for name, w in weights.items()}
+    """Each weight's :func:`weight_form`: what two ranks' loads of one checkpoint agree on exactly (a different
+    file, dtype or ``keep_quantized`` shows up here)."""
+    return {name: weight_form(w) for name, w in weights.items()}
 
 
-def plan_for(model: Model, shards: list[RankShard], **fields) -> GroupPlan:
-    """Rank 0's :class:`GroupPlan` for ``model`` cut as ``shards``; ``fields`` are the remaining attributes."""
+def plan_for(model: Model | ShardedLoad, shards: list[RankShard], **fields) -> GroupPlan:
+    """Rank 0's :class:`GroupPlan` for ``model`` (whole, or rank 0's rank-local load) cut as ``shards``; ``fields``
+    are the remaining attributes."""
+    if isinstance(model, ShardedLoad):
+        return GroupPlan(config=model.model.config, forms=model.forms, shards=shards, **fields)
     return GroupPlan(config=model.config, forms=weight_forms(model.weights), shards=shards, **fields)
 
 
-def _check_same_model(plan: GroupPlan, model: Model, env: LaunchEnv) -> None:
+def _check_same_model(plan: GroupPlan, model: Model | ShardedLoad, env: LaunchEnv) -> None:
     """Refuse a worker whose model differs from rank 0's: its shard would not fit the others' (or, worse, fit and
-    compute something else)."""
-    config, forms = model.config, weight_forms(model.weights)
+    compute something else). A rank-local load compares the whole weights' forms it recorded, and its own plan."""
+    if isinstance(model, ShardedLoad):
+        config, forms = model.model.config, model.forms
+    else:
+        config, forms = model.config, weight_forms(model.weights)
     # field by field: ModelConfig compares by identity (eq=False, for its per-config caches)
     diffs = [f"{f.name}: rank 0 {getattr(plan.config, f.name)!r}, rank {env.rank} {getattr(config, f.name)!r}"
              for f in dataclasses.fields(ModelConfig) if getattr(plan.config, f.name) != getattr(config, f.name)]
@@ -171,12 +176,22 @@ def _check_same_model(plan: GroupPlan, model: Model, env: LaunchEnv) -> None:
                               "and keep_quantized (the same command, and the same file at that path on every node)")
 
 
-def become_worker(model: Model, env: LaunchEnv, timeout_s: float) -> NoReturn:
+def _check_same_cut(plan: GroupPlan, load: ShardedLoad, env: LaunchEnv) -> None:
+    """Refuse a rank-local load cut by a plan other than rank 0's (both come from the same header by the same rule,
+    so this only fails when the ranks read different files that still gave equal forms)."""
+    if load.shards != plan.shards:
+        raise TensorParallelError(f"tensor-parallel rank {env.rank} planned its shard as {load.shards[env.rank]}, "
+                                  f"but rank 0 planned it as {plan.shards[env.rank]}; every rank must load the same "
+                                  "checkpoint (the same file at that path on every node)")
+
+
+def become_worker(model: Model | ShardedLoad, env: LaunchEnv, timeout_s: float) -> NoReturn:
     """Run this process as worker rank ``env.rank`` until rank 0 stops the group, then end it with SystemExit(0).
 
     Parameters
     ----------
-    model : the whole model as this rank loaded it. Its weights dict is emptied once this rank's shard is cut,
+    model : this rank's rank-local load (:func:`tessera.distributed.rank_local.load_shard`), used as it is, or the
+        whole model as this rank loaded it. A whole model's weights dict is emptied once this rank's shard is cut,
         which frees every weight of the whole model that the shard does not share: the caller never resumes with
         the model (this function only raises), so nothing can observe it.
     env : this rank's place in the group (``env.rank >= 1``).
@@ -203,8 +218,12 @@ def become_worker(model: Model, env: LaunchEnv, timeout_s: float) -> NoReturn:
     set_threads(plan.threads)
     shards = plan.shards
     shard = shards[env.rank]
-    weights = shard_weights(plan.config, model.weights, shard)
-    model.weights.clear()  # the whole model's tensors go; the shard keeps what it shares (norms, biases)
+    if isinstance(model, ShardedLoad):
+        _check_same_cut(plan, model, env)
+        weights, model = model.model.weights, model.model
+    else:
+        weights = shard_weights(plan.config, model.weights, shard)
+        model.weights.clear()  # the whole model's tensors go; the shard keeps what it shares (norms, biases)
     spec = WorkerSpec(env.rank, env.world, env.master_addr, plan.port, local_config(plan.config, shard), shard,
                       [s.vocab for s in shards], model.backend, plan.num_pages, plan.page_size, plan.kv_cache_dtype,
                       plan.threads, plan.timeout_s, plan.idle_timeout_s)

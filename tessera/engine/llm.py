@@ -61,7 +61,9 @@ class LLM:
     tensor_parallel_size : ranks the model is split across on this machine (tensor parallelism over
         torch.distributed, gloo, one thread per rank; docs/distributed.md). 1 (default) runs in this process alone.
         With N > 1, N - 1 worker processes are spawned; :attr:`model` is then rank 0's shard. Call :meth:`shutdown`
-        (or let the LLM be collected) to stop them. A speculative draft runs whole on rank 0.
+        (or let the LLM be collected) to stop them. A speculative draft runs whole on rank 0. Under torchrun
+        (docs/distributed.md) every rank loads only its own shard of a checkpoint path, cutting each weight as it is
+        read; rank 0 loads the whole model only for a ``"self:FORMAT"`` draft, which quantizes it.
 
     Examples
     --------
@@ -82,8 +84,17 @@ class LLM:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"LLM: tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         self.kv_cache_dtype = check_format(kv_cache_dtype, "LLM")
+        sharded = None  # under torchrun: this rank's shard, loaded rank-locally
         if isinstance(model, Model):
             self.model = model if device is None else to_device(model, resolve_device(model.backend, device))
+        elif _loads_rank_locally(tp, spec_config):
+            from tessera.distributed import rank_local, torchrun
+
+            launch = torchrun.launch_env()
+            torchrun.check_world(launch, tp)  # before loading: a wrong world would plan the wrong cut
+            sharded = rank_local.load_shard(model, launch.rank, tp, dtype, backend, keep_quantized=keep_quantized,
+                                            device=device)
+            self.model = sharded.model  # the whole config; the weights are this rank's shard
         else:
             self.model = load_model(model, dtype=dtype, backend=backend, keep_quantized=keep_quantized, device=device)
         self.max_len = self.model.config.max_position
@@ -91,13 +102,15 @@ class LLM:
             num_pages = self._pages_for(kv_cache_memory, page_size, max_num_seqs)
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
         # the whole model, before a tensor-parallel engine replaces self.model with rank 0's shard: a self-draft
-        # quantizes it and a draft checkpoint loads like it, and the draft runs whole on rank 0 (docs/distributed.md)
+        # quantizes it and a draft checkpoint loads like it, and the draft runs whole on rank 0 (docs/distributed.md).
+        # A rank-local load has only rank 0's weights, which is all a draft checkpoint or n-gram lookup needs.
         whole_model = self.model
         self.tensor_parallel = None
         if tensor_parallel_size > 1:  # rank 0 here, workers spawned; each rank holds its shard of weights and KV
             from tessera.distributed.launch import TensorParallelEngine
 
-            self.tensor_parallel = TensorParallelEngine(self.model, tensor_parallel_size, num_pages, page_size,
+            self.tensor_parallel = TensorParallelEngine(sharded if sharded is not None else self.model,
+                                                        tensor_parallel_size, num_pages, page_size,
                                                         self.kv_cache_dtype)
             self.model, self.cache = self.tensor_parallel.model, self.tensor_parallel.cache
         else:
@@ -326,3 +339,17 @@ class LLM:
                              f"{bm.num_pages} ({self.max_seq_tokens} tokens); the prompt has {len(ids)} tokens, so "
                              f"{fix}, or give LLM more num_pages")
         return ids
+
+
+def _loads_rank_locally(tensor_parallel_size: int, speculative: SpeculativeConfig | None) -> bool:
+    """Whether this process is one rank of a torchrun group that loads only its shard of a checkpoint path: every
+    rank, except rank 0 when a self-draft needs the whole model to quantize (the workers still load rank-locally:
+    the draft runs on rank 0 alone)."""
+    if tensor_parallel_size < 2:
+        return False
+    from tessera.distributed.torchrun import launch_env
+
+    launch = launch_env()
+    if launch is None:
+        return False
+    return launch.rank > 0 or speculative is None or speculative.method != "self"

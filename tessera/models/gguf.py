@@ -16,6 +16,11 @@ What differs from a safetensors checkpoint:
   packed as :class:`QuantizedWeight` (held exactly; the un-permutation moves whole rows, so it is exact too) and the
   others are de-quantized to the requested dtype; ``keep_quantized`` chooses otherwise.
 
+A ``transform`` hook sees each canonical weight whole, once, as soon as it is gathered, and only what it returns is
+kept (a tensor-parallel rank cuts its shard there); the mapped pages read so far are then dropped layer by layer.
+:func:`packed_group_size` says, from the tensor index and one row of data, which quantization group a weight will
+load with, so a rank can plan its cut before anything is read.
+
 >>> model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
 >>> model.tokenizer.encode("Hello world").ids
 [19556, 905]
@@ -42,7 +47,7 @@ from tessera.models.gguf_dequant import dequantize
 from tessera.models.gguf_names import assemble, expected_shape, gguf_sources
 from tessera.models.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 from tessera.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer_quietly
-from tessera.models.hf import CheckpointError, check_shapes
+from tessera.models.hf import CheckpointError, WeightHook, check_shape, expected_shapes, layer_key
 from tessera.models.model import Model
 
 _T = GGMLType
@@ -59,7 +64,8 @@ _PACKED_LAYER_WEIGHTS = ("qkv.weight", "o.weight", "gate_up.weight", "down.weigh
 
 
 def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backend: str = "auto", *,
-              keep_quantized: bool | None = None, timings: dict[str, float] | None = None) -> Model:
+              keep_quantized: bool | None = None, timings: dict[str, float] | None = None,
+              transform: WeightHook | None = None) -> Model:
     """Read a GGUF file: config, weights under canonical names, tokenizer and chat template.
 
     Parameters
@@ -82,6 +88,9 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
     timings : dict, optional
         Filled with the seconds each step took: ``header`` (metadata and tensor index), ``weights`` and
         ``tokenizer`` (these two run at the same time).
+    transform : callable, optional
+        ``transform(name, weight)`` for each canonical weight, whole and shape-checked; its result is kept in place
+        of the weight (:func:`load_weights`).
 
     Returns
     -------
@@ -106,7 +115,10 @@ def load_gguf(path: str | Path, torch_dtype: torch.dtype = torch.float32, backen
     # without the GIL, so the two overlap (SmolLM2: ~0.1 s each).
     with ThreadPoolExecutor(1, thread_name_prefix="gguf-tokenizer") as pool:
         building = pool.submit(_timed, steps, "tokenizer", _tokenizer, meta)
-        weights = _timed(steps, "weights", load_weights, tensors, config, family, arch, torch_dtype, keep_quantized)
+        # with a hook, each layer's pages are dropped once it is gathered, so the file never becomes resident whole
+        release = reader.release_pages if transform is not None else None
+        weights = _timed(steps, "weights", load_weights, tensors, config, family, arch, torch_dtype, keep_quantized,
+                         transform, release)
         tokenizer, notes = building.result()
     # the file's pages that were read to build copies (fused q|k|v and gate|up, un-permuted rows, de-quantized
     # tensors) would otherwise stay resident beside the copies: a second model's worth for a packed file
@@ -154,10 +166,19 @@ def unpermute_rows(num_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Family, arch: GGUFArch,
-                 dtype: torch.dtype, keep_quantized: bool | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+                 dtype: torch.dtype, keep_quantized: bool | None = None, transform: WeightHook | None = None,
+                 release: Callable[[], None] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Canonical weights from the file's tensors, for the names the family's :class:`WeightSpec` list gives
-    (``keep_quantized`` as in :func:`load_gguf`)."""
+    (``keep_quantized`` as in :func:`load_gguf`).
+
+    ``transform(name, weight)``, when given, sees each weight whole and shape-checked, in the family's order, and
+    its result is kept instead. ``release``, when given, runs whenever the next weight belongs to another layer
+    than the last one (the reader's :meth:`~tessera.models.gguf_reader.GGUFFile.release_pages`: the pages read for
+    earlier weights need not stay resident).
+    """
+    shapes = expected_shapes(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    group = None
     for spec in family.weight_specs(config):
         source = gguf_sources(spec.name, arch, tensors)
         missing = [n for n in source.names if n not in tensors]
@@ -166,16 +187,42 @@ def load_weights(tensors: dict[str, TensorInfo], config: ModelConfig, family: Fa
         if missing:
             raise CheckpointError(f"GGUF tensor {missing[0]!r} is missing (needed for {spec.name!r} by the "
                                   f"{family.name} family); the file is incomplete or of another architecture")
+        if release is not None and layer_key(spec.name) != group:
+            group = layer_key(spec.name)
+            release()
         parts = [tensors[n] for n in source.names]
         for t in parts:
             _check_shape(t, config, arch)
         if _keep_packed(spec.name, parts, keep_quantized):
-            weights[spec.name] = _read_packed(spec.name, parts, config, arch)
+            weight = _read_packed(spec.name, parts, config, arch)
         else:
             floats = [_read_float(t, spec.name, j, config, arch, dtype) for j, t in enumerate(parts)]
-            weights[spec.name] = assemble(source, floats)
-    check_shapes(config, weights)
+            weight = assemble(source, floats)
+        check_shape(spec.name, weight, shapes)
+        weights[spec.name] = weight if transform is None else transform(spec.name, weight)
+        del weight  # with a hook, the whole weight goes here unless the hook kept it
     return weights
+
+
+def packed_group_size(name: str, tensors: dict[str, TensorInfo], arch: GGUFArch,
+                      keep_quantized: bool | None = None) -> int:
+    """The quantization group canonical weight ``name`` will load with (1: float, or absent from the file), read
+    from the tensor index and one row of each part, without loading the weight.
+
+    One row goes through the same ``from_gguf`` as the whole weight, so the group is the loader's by construction;
+    a weight fused from parts of several types (a ``StackedWeight``) has the largest of theirs, as
+    :func:`tessera.distributed.slicing.group_size` reports. A part in a type ``keep_quantized=True`` cannot hold
+    counts as 1 here: the load itself raises for it.
+    """
+    source = gguf_sources(name, arch, tensors)
+    if any(n not in tensors for n in source.names):
+        return 1
+    parts = [tensors[n] for n in source.names]
+    if not _keep_packed(name, parts, keep_quantized):
+        return 1
+    sizes = [from_gguf(t.data[:1], t.tensor_type, (1, t.shape[-1])).group_size
+             for t in parts if t.tensor_type in _PACKABLE and t.data.ndim == 2]
+    return max(sizes, default=1)
 
 
 def _keep_packed(name: str, parts: list[TensorInfo], keep_quantized: bool | None) -> bool:

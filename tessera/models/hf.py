@@ -1,12 +1,15 @@
 """Load a Hugging Face model directory: ``config.json``, single or sharded safetensors (memory-mapped), tokenizer.
 
 Weights are read with ``safetensors.safe_open`` (never pickle), converted to the requested dtype and assembled into
-canonical names by the family's :class:`WeightSpec` list (q|k|v and gate|up fused on load).
+canonical names by the family's :class:`WeightSpec` list (q|k|v and gate|up fused on load). A ``transform`` hook
+sees each canonical weight whole, once, as soon as it is assembled, and the loader keeps only what the hook returns:
+a tensor-parallel rank cuts its shard there (:mod:`tessera.distributed.rank_local`), so no rank holds the whole model.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,18 @@ from tessera.models.families.common import Family, WeightSpec
 
 class CheckpointError(ValueError):
     """A checkpoint is missing a file or tensor, or holds a tensor of the wrong shape."""
+
+
+#: a loader's per-weight hook: (canonical name, the whole weight as loaded) -> what the loader keeps under that name
+WeightHook = Callable[[str, Any], Any]
+
+
+def layer_key(name: str) -> str:
+    """The group a canonical weight is loaded with: ``"layers.3"`` for ``"layers.3.qkv.weight"``, else the name
+    itself (``embed``, ``final_norm.weight``, ``lm_head``). A loader with a hook lets go of the file's pages when
+    the group changes."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else name
 
 
 def read_config(directory: Path) -> tuple[dict, Family, ModelConfig]:
@@ -63,7 +78,24 @@ def tensor_files(directory: Path) -> dict[str, Path]:
     raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
 
 
-def load_weights(directory: Path, config: ModelConfig, family: Family, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(directory: Path, config: ModelConfig, family: Family, dtype: torch.dtype,
+                 transform: WeightHook | None = None) -> dict[str, Any]:
+    """Canonical weights from the directory's safetensors, in ``dtype``.
+
+    Parameters
+    ----------
+    directory : a Hugging Face model directory (single or sharded safetensors).
+    config, family : what :func:`read_config` gave.
+    dtype : the weights' dtype.
+    transform : called once per canonical weight, whole and shape-checked, in the family's order; its result is
+        kept in place of the weight. With a hook the files are reopened whenever the next weight belongs to another
+        layer, so the mapped pages read for earlier weights leave this process's resident set.
+
+    Raises
+    ------
+    CheckpointError
+        A file or tensor is missing or unreadable, or a weight's shape disagrees with ``config.json``.
+    """
     files = tensor_files(directory)
     handles: dict[Path, object] = {}
 
@@ -79,12 +111,19 @@ def load_weights(directory: Path, config: ModelConfig, family: Family, dtype: to
             raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({err}); the file may be truncated: "
                                   "download or export it again") from err
 
-    weights: dict[str, torch.Tensor] = {}
+    shapes = expected_shapes(config)
+    weights: dict[str, Any] = {}
+    group = None
     for spec in family.weight_specs(config):
         if spec.optional and not all(s in files for s in spec.sources):
             continue
-        weights[spec.name] = _assemble(spec, [get(s) for s in spec.sources]).to(dtype).contiguous()
-    check_shapes(config, weights)
+        if transform is not None and layer_key(spec.name) != group:
+            group = layer_key(spec.name)
+            handles.clear()  # the mappings close once no tensor of theirs is left: their pages with them
+        weight = _assemble(spec, [get(s) for s in spec.sources]).to(dtype).contiguous()
+        check_shape(spec.name, weight, shapes)
+        weights[spec.name] = weight if transform is None else transform(spec.name, weight)
+        del weight  # with a hook, the whole weight goes here unless the hook kept it
     return weights
 
 
@@ -118,10 +157,19 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    for name, want in expected_shapes(config).items():
-        if name in weights and tuple(weights[name].shape) != want:
-            raise CheckpointError(f"weight {name!r} has shape {tuple(weights[name].shape)}, but the config implies "
-                                  f"{want}; the checkpoint and its config.json disagree")
+    shapes = expected_shapes(config)
+    for name in shapes:
+        if name in weights:
+            check_shape(name, weights[name], shapes)
+
+
+def check_shape(name: str, weight: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise :class:`CheckpointError` when ``weight``'s shape differs from ``shapes[name]`` (names not in ``shapes``
+    are not checked)."""
+    want = shapes.get(name)
+    if want is not None and tuple(weight.shape) != want:
+        raise CheckpointError(f"weight {name!r} has shape {tuple(weight.shape)}, but the config implies "
+                              f"{want}; the checkpoint and its config.json disagree")
 
 
 def load_tokenizer(directory: Path):

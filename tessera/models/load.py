@@ -16,7 +16,7 @@ from tessera.models.model import Model, default_model_path, to_device
 
 def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32", backend: str = "auto", *,
                keep_quantized: bool | None = None, device: str | torch.device | None = None,
-               timings: dict[str, float] | None = None) -> Model:
+               timings: dict[str, float] | None = None, transform: hf.WeightHook | None = None) -> Model:
     """Load a GGUF file or a Hugging Face directory.
 
     Parameters
@@ -32,24 +32,23 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
         ``"triton"`` on a GPU), or one it runs on (``"cuda:1"``). The file is read on the host, then copied.
     timings : a dict to fill with the seconds each step took: ``header`` (GGUF metadata and tensor index, or
         ``config.json``), ``weights``, ``tokenizer`` and, when the weights are copied to another device, ``device``.
+    transform : ``transform(name, weight)`` is called once per canonical weight, whole, as soon as it is read, and
+        the model keeps what it returns (on the host, before any copy to ``device``). A tensor-parallel rank cuts its
+        shard there (:func:`tessera.distributed.rank_local.load_shard`); the model's config stays the whole one.
     """
     target = resolve_device(backend, device)
     torch_dtype = BY_NAME.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if torch_dtype not in BY_NAME.values():
         raise ValueError(f"load_model: dtype must be one of {list(BY_NAME)}, got {dtype!r}")
-    path = Path(path) if path is not None else default_model_path()
-    if not path.exists():
-        raise FileNotFoundError(f"load_model: {path} does not exist")
+    path = checkpoint_path(path)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"load_model: {path} is a file but not .gguf; pass a GGUF file or a Hugging Face "
-                             "directory (config.json + safetensors)")
-        model = load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized, timings=timings)
+        model = load_gguf(path, torch_dtype, backend, keep_quantized=keep_quantized, timings=timings,
+                          transform=transform)
     else:
         marks = [time.perf_counter()]
         _, family, config = hf.read_config(path)
         marks.append(time.perf_counter())
-        weights = hf.load_weights(path, config, family, torch_dtype)
+        weights = hf.load_weights(path, config, family, torch_dtype, transform)
         marks.append(time.perf_counter())
         model = Model(config, weights, hf.load_tokenizer(path), backend=backend)
         marks.append(time.perf_counter())
@@ -60,3 +59,22 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
     if timings is not None and moved is not model:
         timings["device"] = time.perf_counter() - start
     return moved
+
+
+def checkpoint_path(path: str | Path | None) -> Path:
+    """``path`` as a checkpoint :func:`load_model` reads (None: SmolLM2-135M-Instruct).
+
+    Raises
+    ------
+    FileNotFoundError
+        Nothing at ``path``.
+    ValueError
+        A file that is not ``.gguf``.
+    """
+    path = Path(path) if path is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"load_model: {path} does not exist")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"load_model: {path} is a file but not .gguf; pass a GGUF file or a Hugging Face "
+                         "directory (config.json + safetensors)")
+    return path
