@@ -1,16 +1,20 @@
 """Paged decode over quantized KV pages against bf16 (and fp32) pages, one layer, same run.
 
-Batch 8, every sequence 4096 keys (``--kv-len``), Hq=32, Hkv=8, D=128, page size 16, pages shuffled through the
+Batch 8, every sequence 4096 keys (``--kv-len``), one query each (``--queries``), Hq=32 (``--hq``), Hkv=8, D=128, page size 16, pages shuffled through the
 pool; the same K/V values stored as fp32, bf16, int8 and fp8 e4m3 (a float16 scale per token and head). The four
 runs are timed round-robin (``attention_cpu.time_interleaved``), so the ratios hold on a shared machine even when the
-absolute times move. ``int8`` runs the ``kv_qk`` variant chosen for this CPU (int8 Q.K dot products with VNNI);
-``int8/float-qk`` is the same pages with ``kv_qk=portable`` forced (codes widened to float32), timed in the same
-round-robin, so the two Q.K paths compare on equal terms. Reports tokens/s (the batch's queries per second of one
+absolute times move. ``int8`` runs the ``kv_qk`` and ``kv_pv`` variants chosen for this CPU (Q.K and P.V in int8
+dot products with VNNI); ``int8/float-pv`` is the same pages with ``kv_pv=float`` forced (int8 Q.K, value codes
+widened to float32), ``int8/float-qk`` with ``kv_qk=portable`` (both products in float32), timed in the same
+round-robin, so the paths compare on equal terms. Reports tokens/s (the batch's queries per second of one
 layer), the KV bytes each read, the GB/s that makes, and each format's speed over bf16's.
 
 Usage::
 
-    python benchmarks/kv_quant_decode.py [--batch 8] [--kv-len 4096] [--reps 15] [--json PATH]
+    python benchmarks/kv_quant_decode.py [--batch 8] [--kv-len 4096] [--reps 15] [--hq 32] [--queries 1] [--json PATH]
+
+``--hq 64`` (GQA groups of 8) or ``--queries 4`` (a verify step) give the int8 kernel 8 or more query rows per kv
+head, where its P.V runs in int8 too (``kv_pv``; with fewer rows it is the float pass either way).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from tessera.bench.machine import fingerprint
 from tessera.bench.suites.paged import D, HKV, HQ, PAGE, make_batch
 from tessera.kv.quantized import QuantizedPages, bytes_per_token, quantize_kv
 
-FORMATS = ("float32", "bfloat16", "int8", "int8/float-qk", "fp8_e4m3")
+FORMATS = ("float32", "bfloat16", "int8", "int8/float-pv", "int8/float-qk", "fp8_e4m3")
 #: extra rows: (storage format, TESSERA_CPU_VARIANTS while it runs)
-FORCED = {"int8/float-qk": ("int8", "kv_qk=portable")}
+FORCED = {"int8/float-pv": ("int8", "kv_pv=float"), "int8/float-qk": ("int8", "kv_qk=portable")}
 
 
 def forcing(fn, setting: str):
@@ -61,14 +65,19 @@ def pools(k: torch.Tensor, v: torch.Tensor, fmt: str):
     return QuantizedPages(*quantize_kv(k, fmt), fmt), QuantizedPages(*quantize_kv(v, fmt), fmt)
 
 
-def run(batch: int, kv_len: int, reps: int) -> dict[str, Any]:
+def run(batch: int, kv_len: int, reps: int, hq: int = HQ, q_per_seq: int = 1) -> dict[str, Any]:
+    if hq % HKV:
+        raise SystemExit(f"--hq must be a multiple of the {HKV} kv heads, got {hq}")
     gen = torch.Generator().manual_seed(0)
-    kv_lens, q_lens = [kv_len] * batch, [1] * batch
-    q, k, v, table = make_batch(kv_lens, q_lens, torch.float32, gen)
-    spec = AttentionSpec(HQ, HKV, D, mask=causal())
+    kv_lens, q_lens = [kv_len] * batch, [q_per_seq] * batch
+    _, k, v, table = make_batch(kv_lens, q_lens, torch.float32, gen)
+    q = torch.randn(batch * q_per_seq, hq, D, generator=gen)
+    spec = AttentionSpec(hq, HKV, D, mask=causal())
     p = plan(spec, q_lens, kv_lens, table, PAGE, backend="cpu")
     stores = {fmt: pools(k, v, fmt) for fmt in FORMATS if fmt not in FORCED}
-    stores.update({fmt: stores[base] for fmt, (base, _) in FORCED.items()})
+    # Each forced row reads its own copy of the pages: sharing them, a row timed right after its base would find
+    # part of them still in the L3 (32 MiB against 68 MB of int8 pages) and look faster than it is.
+    stores.update({fmt: pools(k, v, base) for fmt, (base, _) in FORCED.items()})
     # queries in bf16 for the bf16 and quantized pools (a bf16 model's), fp32 for fp32 pages
     queries = {fmt: q if fmt == "float32" else q.to(torch.bfloat16) for fmt in FORMATS}
     calls = {fmt: (lambda f=fmt: p.run(queries[f], *stores[f])) for fmt in FORMATS}
@@ -84,7 +93,8 @@ def run(batch: int, kv_len: int, reps: int) -> dict[str, Any]:
                      "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / times[fmt] / 1e9,
                      "speed_vs_bf16": times["bfloat16"] / times[fmt], "rel_err_vs_fp32": err})
     return {"benchmark": "kv_quant_decode", "date": datetime.date.today().isoformat(), "machine": fingerprint(),
-            "threads": torch.get_num_threads(), "batch": batch, "kv_len": kv_len, "heads": [HQ, HKV], "head_dim": D,
+            "threads": torch.get_num_threads(), "batch": batch, "kv_len": kv_len, "queries_per_sequence": q_per_seq,
+            "heads": [hq, HKV], "head_dim": D,
             "page_size": PAGE, "reps": reps, "results": rows}
 
 
@@ -93,10 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--kv-len", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--hq", type=int, default=HQ, help=f"query heads ({HKV} kv heads; default {HQ})")
+    parser.add_argument("--queries", type=int, default=1,
+                        help="query tokens per sequence (a speculative verify step; default 1)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    report = run(args.batch, args.kv_len, args.reps)
-    table = Table(title=f"paged decode b={args.batch} L={args.kv_len}, {report['machine']['cpu_model']}")
+    report = run(args.batch, args.kv_len, args.reps, args.hq, args.queries)
+    table = Table(title=f"paged decode b={args.batch} L={args.kv_len} Hq={args.hq} q={args.queries}, "
+                        f"{report['machine']['cpu_model']}")
     for col in ("KV format", "ms", "tok/s", "KV MB", "GB/s", "x bf16 speed", "err vs fp32"):
         table.add_column(col, justify="right")
     for r in report["results"]:

@@ -95,6 +95,22 @@ def test_kv_qk_selection_and_forcing(monkeypatch) -> None:
         variants.choose("kv_qk")
 
 
+def test_kv_pv_selection_and_forcing(monkeypatch) -> None:
+    """The int8 P.V family follows the same ISA order as kv_qk; ``float`` is its portable end, and ``portable``
+    forces it."""
+    _fake_features(monkeypatch, AVX512_VNNI)
+    assert variants.choose("kv_pv").name == "vnni512"
+    _fake_features(monkeypatch, {"avx2", "avxvnni"})
+    assert variants.choose("kv_pv").name == "vnni"
+    _fake_features(monkeypatch, {"avx2", "avx512f"})
+    assert variants.choose("kv_pv").name == "float"
+    _fake_features(monkeypatch, AVX512_VNNI | {"avxvnni"})
+    _force(monkeypatch, "kv_pv=float")
+    assert variants.choose("kv_pv").name == "float" and variants.choose("kv_qk").name == "vnni512"
+    _force(monkeypatch, "portable")
+    assert variants.choose("kv_pv").name == "float"
+
+
 def test_kv_qk_variant_is_part_of_the_kernel_signature(monkeypatch) -> None:
     """Each int8 Q.K variant reaches the kernels as its own ISA token, an argument of its own Numba type, so each is
     its own compiled specialization: forcing one never reuses another's machine code from the on-disk cache (whose

@@ -33,6 +33,7 @@ from tessera.backends.cpu.decode_kernel import (
     merge_parts_serial,
 )
 from tessera.backends.cpu.decode_qk8 import decode_q8_kernel, decode_q8_serial, qk_token, quantize_queries
+from tessera.backends.cpu.decode_pv8 import pv_token
 from tessera.backends.cpu.kernel_args import DecodeSchedule
 from tessera.backends.cpu.ops._narrow import storage_view
 from tessera.kv.quantized import QuantizedPages
@@ -288,7 +289,9 @@ class DecodePlan:
             sch = self.schedule
             qcodes, qscale, qcorr = quantize_queries(qn, sch.scale, sch.seq_q_start, sch.seq_q_len)
             kernel = decode_q8_serial if self.serial else decode_q8_kernel
-            kernel(qcodes, qscale, qcorr, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(sch), token)
+            pv, pv8_rows = pv_token(token, self.head_dim)  # P.V in int8 dot products too (kv_pv), for big groups
+            kernel(qcodes, qscale, qcorr, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(sch), token, pv,
+                   pv8_rows)
         else:
             kernel = decode_attention_serial if self.serial else decode_attention_kernel
             kernel(qn, k, ks, v, vs, code_unit(k), part_out, part_lse, tuple(self.schedule))

@@ -54,6 +54,7 @@ from tessera.backends.cpu.decode_kernel import (
     _values_blocked,
     _write_item,
 )
+from tessera.backends.cpu.decode_pv8 import quantize_weights, unpermute_rows, values_q8
 from tessera.backends.cpu.kernel_args import DecodeSchedule
 from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._int8_simd import (
@@ -435,10 +436,12 @@ def _scale_values(sc, vst, rows, rows_h):  # pragma: no cover - compiled
 
 @njit(inline="always", fastmath=FASTMATH)
 def _decode_item_q8(
-    item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, next_item, token,
+    item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, next_item, token, pv, pv8_rows,
 ):  # pragma: no cover - compiled
     """``decode_kernel._decode_item_blocked`` with Q.K in int8 (``D`` a multiple of the token's width and of
-    ``LANES``); the query arrives quantized (:func:`quantize_queries`), everything after the scores is shared."""
+    ``LANES``); the query arrives quantized (:func:`quantize_queries`). P.V runs in int8 too (:mod:`.decode_pv8`,
+    at token ``pv``'s width) when the item has at least ``pv8_rows`` query rows per kv head (0: never), else the
+    float path's pass."""
     hkv = k.shape[1]
     d = k.shape[2]
     hq = qcodes.shape[1]
@@ -448,6 +451,7 @@ def _decode_item_q8(
     kv_len = sch.seq_kv_len[s]
     nrows = hq * nq
     rows_h = group * nq
+    pv8 = pv8_rows > 0 and rows_h >= pv8_rows
     start = sch.seq_q_start[s]
     # the item's rows h * nq + i, + 3 zero padding rows (see _scores_blocked); 4 KiB at Hq=32, D=128
     qc = np.zeros((nrows + 3, d), dtype=np.int8)
@@ -469,6 +473,8 @@ def _decode_item_q8(
     rowi = np.empty(CHUNK, dtype=np.int64)
     kst = np.zeros((hkv, CHUNK), dtype=np.float32)
     vst = np.zeros((hkv, CHUNK), dtype=np.float32)
+    w8 = np.zeros((nrows, CHUNK if pv8 else 0), dtype=np.uint8)
+    wscale = np.zeros(nrows, dtype=np.float32)
     post = sch.softcap > 0.0 or sch.slopes.shape[0] > 0
     for seg in range(sch.item_seg_lo[item], sch.item_seg_hi[item]):
         j_begin = sch.seg_start[seg]
@@ -494,45 +500,53 @@ def _decode_item_q8(
                 _apply_mask(sc, sch.mask_buf, moff, sch.seg_mask_hstride[seg], nq, hq, j_end - j_begin, j0 - j_begin,
                             cn)
             _online_softmax_blocked(sc, m, l, acc, cn)
-            _scale_values(sc, vst, nrows, rows_h)
-            _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
+            if pv8:
+                quantize_weights(sc, vst, w8, wscale, nrows, rows_h)
+                values_q8(pv, acc, w8, wscale, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
+            else:
+                _scale_values(sc, vst, nrows, rows_h)
+                _values_blocked(acc, sc, v, k, row_off, next_off, next_n, hkv, rows_h, d, cn)
+    if pv8:
+        unpermute_rows(pv, acc)
     _write_item(item, acc, m, l, part_out, part_lse)
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def decode_item_q8(
-    item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, next_item, token,
+    item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, next_item, token, pv, pv8_rows,
 ):  # pragma: no cover - compiled
     """One work item (a function of its own for the reason ``decode_kernel.decode_item`` is)."""
-    _decode_item_q8(item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, next_item, token)
+    _decode_item_q8(item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, next_item, token,
+                    pv, pv8_rows)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def decode_q8_kernel(qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, token):  # pragma: no cover
+def decode_q8_kernel(qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, token, pv, pv8_rows):  # pragma: no cover
     """``decode_kernel.decode_attention_kernel`` with int8 Q.K.
 
     qcodes : int8 ``[tokens, Hq, D]``, qrow_scale : f32 ``[tokens, Hq]``, qcorr : int32 ``[tokens, Hq]`` (from
     :func:`quantize_queries`); k, v : int8 codes ``[rows, Hkv, D]``; ks, vs : their float16 scale bits (int16
     ``[rows, Hkv]``); unit : unused (1 for int8 codes; kept for the float kernel's argument order); part_out,
     part_lse, sch : as ``decode_attention_kernel``'s; token : the
-    ``vnni512`` / ``vnni`` ISA token.
+    ``vnni512`` / ``vnni`` ISA token of Q.K; pv, pv8_rows : P.V's token and the query rows per kv head from
+    which an item's P.V runs in int8, 0 for never (:func:`.decode_pv8.pv_token`).
     """
     sch = DecodeSchedule(*sch)
     item_order, worker_start = sch.item_order, sch.worker_start
     for w in prange(worker_start.shape[0] - 1):
         for i in range(worker_start[w], worker_start[w + 1]):
             decode_item_q8(item_order[i], qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch,
-                           item_order[i + 1] if i + 1 < worker_start[w + 1] else -1, token)
+                           item_order[i + 1] if i + 1 < worker_start[w + 1] else -1, token, pv, pv8_rows)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def decode_q8_serial(qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, token):  # pragma: no cover
+def decode_q8_serial(qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch, token, pv, pv8_rows):  # pragma: no cover
     """:func:`decode_q8_kernel` on the calling thread, in item order."""
     sch = DecodeSchedule(*sch)
     n_items = sch.item_seq.shape[0]
     for item in range(n_items):
         decode_item_q8(item, qcodes, qrow_scale, qcorr, k, ks, v, vs, unit, part_out, part_lse, sch,
-                       item + 1 if item + 1 < n_items else -1, token)
+                       item + 1 if item + 1 < n_items else -1, token, pv, pv8_rows)
 
 
 def qk_token(k: np.ndarray, head_dim: int) -> IsaToken | None:

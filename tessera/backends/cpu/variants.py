@@ -104,6 +104,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         Variant("portable", frozenset(),
                 "key codes widened to float32 and FMA'd against the float32 query (no query rounding)"),
     )),
+    Family("kv_pv", "P.V of decode attention over an int8 KV cache, inside the int8 Q.K kernel (with kv_qk=portable, "
+                    "fp8 or float caches P.V is float)", (
+        Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
+                "each row's chunk of probabilities times value scales rounded to uint8 (one float32 scale per row "
+                "and chunk); 4 keys' value codes interleaved per 32-bit lane, 64 products per 512-bit VPDPBUSD; "
+                "head dims that are a multiple of 64"),
+        Variant("vnni", frozenset({"avx2", "avxvnni"}),
+                "as vnni512 with the 256-bit VPDPBUSD (AVX-VNNI); head dims that are a multiple of 32"),
+        Variant("float", frozenset(), "value codes widened to float32 and FMA'd with the float32 probabilities"),
+    )),
     Family("simd", "vector width of the explicit-SIMD attention micro-kernels (decode, shared-prefix pass)", (
         Variant("avx512", frozenset({"avx512f"}), "16 float32 lanes per vector (one zmm)"),
         Variant("lanes8", frozenset(), "8 float32 lanes per vector (one ymm; LLVM splits it on narrower CPUs)"),
