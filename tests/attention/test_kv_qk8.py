@@ -25,7 +25,7 @@ import torch
 
 from tessera.attention import plan
 from tessera.backends.cpu import variants
-from tessera.backends.cpu.decode_pv8 import PV8_MIN_ROWS, PV_BYTES, block_dims, interleave_masks, pv_token
+from tessera.backends.cpu.decode_pv8 import PV8_MIN_ROWS, block_dims, interleave_masks, pv_token
 from tessera.backends.cpu.decode_qk8 import CODE_BYTES, dequantize_queries, qk_token, quantize_queries
 from tessera.kv.quantized import QuantizedPages, dequantize_kv, quantize_kv
 from tests.attention.cases import VARIANTS, oracle, seed_of, varlen_layout
@@ -40,7 +40,7 @@ INT8_QK = [name for name in CODE_BYTES]
 #: quantization alone. Measured over CASES at D=64 and 128 (vnni512, 2026-12-05): 3.9e-3 .. 1.5e-2 against the
 #: unquantized oracle, at most 5.4e-7 against the oracle on the de-quantized query and K/V
 QK8_BOUND = 2.5e-2
-INT8_PV = [name for name in PV_BYTES]
+INT8_PV = INT8_QK  # the same VNNI widths
 #: max-abs error (relative to the output's largest) of int8 P.V against the oracle on the de-quantized query and
 #: K/V: each weight is off by at most 1/510 of its row's largest in the chunk. Measured over the P.V cases below
 #: (2026-12-05, Zen 5): 2.0e-3 .. 7.4e-3; the kernel against a float64 model of the same rounding (chunk by chunk,

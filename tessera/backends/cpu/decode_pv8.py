@@ -46,36 +46,14 @@ from tessera.backends.cpu import variants
 from tessera.backends.cpu.attn_microkernels import prefetch_run
 from tessera.backends.cpu.decode_kernel import CHUNK, _cursor_at, _round_up
 from tessera.backends.cpu.numba_math import FASTMATH
-from tessera.backends.cpu.ops._int8_simd import (
-    TOKENS,
-    IsaToken,
-    IsaTokenType,
-    _byte_pointer,
-    _fn,
-    _load,
-    _mask,
-    i8x32,
-    i32x8,
-)
-from tessera.backends.cpu.ops._int8_simd512 import i8x64, i32x16
+from tessera.backends.cpu.ops._int8_simd import TOKENS, IsaToken, _byte_pointer, _fn, _load, _mask
 from tessera.backends.cpu.simd import LANES, f32vec, line_elements, vfma, vhmax, vload, vmax, vmul, vsplat, vstore, vzero
+from tessera.backends.cpu.vnni_dot import CODE_BYTES, code_bytes, dpbusd, izero, vec_types, vnni_isa
 
-#: the tokens of the int8 P.V variants and the value dimensions (bytes) one of their vectors holds
-PV_BYTES = {"vnni512": 64, "vnni": 32}
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
-
-
-def _pv_isa(token, what: str) -> str:
-    if not isinstance(token, IsaTokenType) or token.isa not in PV_BYTES:
-        raise TypingError(f"{what}: expected a vnni / vnni512 ISA token, got {token}")
-    return token.isa
-
-
-def _vec_types(isa: str):
-    return (i8x64, i32x16) if isa == "vnni512" else (i8x32, i32x8)
 
 
 def _is_array(arr, dtype) -> bool:
@@ -107,33 +85,11 @@ def block_dims(width: int) -> np.ndarray:
 
 
 @intrinsic
-def pv_bytes(typingctx, token):
-    """Value dimensions per block of the token's width (64 or 32), a compile-time constant."""
-    width = PV_BYTES[_pv_isa(token, "pv_bytes")]
-
-    def codegen(context, builder, signature, args):
-        return context.get_constant(types.intp, width)
-
-    return types.intp(token), codegen
-
-
-@intrinsic
-def izero_pv(typingctx, token):
-    """An int32 accumulator of zeros, of the token's width."""
-    acc = _vec_types(_pv_isa(token, "izero_pv"))[1]
-
-    def codegen(context, builder, signature, args):
-        return ir.Constant(acc.ir_type, [0] * acc.ir_type.count)
-
-    return acc(token), codegen
-
-
-@intrinsic
 def interleave4(typingctx, token, v, o0, o1, o2, o3):
     """The token's width of value codes from each of the flat offsets ``o0..o3`` of int8 ``v`` (4 keys' rows),
     interleaved into 4 vectors whose 32-bit lane ``4 l + i`` of vector ``j`` holds dimension ``16 l + 4 j + i``'s
     4 codes in key order."""
-    vec, _ = _vec_types(_pv_isa(token, "interleave4"))
+    vec, _ = vec_types(vnni_isa(token, "interleave4"))
     if not _is_array(v, types.int8):
         raise TypingError(f"interleave4: expected C-contiguous int8 value codes, got {v}")
     width = vec.ir_type.count
@@ -158,7 +114,7 @@ def interleave4(typingctx, token, v, o0, o1, o2, o3):
 def broadcast_weights4(typingctx, token, w, index):
     """The 4 bytes of uint8 ``w`` at flat offset ``index`` (4 keys' rounded weights), repeated in every 32-bit
     lane of a vector of the token's width."""
-    vec, _ = _vec_types(_pv_isa(token, "broadcast_weights4"))
+    vec, _ = vec_types(vnni_isa(token, "broadcast_weights4"))
     if not _is_array(w, types.uint8):
         raise TypingError(f"broadcast_weights4: expected C-contiguous uint8 weights, got {w}")
     lanes = vec.ir_type.count // 4
@@ -177,7 +133,7 @@ def broadcast_weights4(typingctx, token, w, index):
 def flush_rows(typingctx, token, acc, off, scale, a0, a1, a2, a3):
     """``acc.flat[off + j * L : + L] += float32(a_j) * scale`` for ``j < 4`` (``L``: the accumulators' lanes): a
     chunk's exact int32 sums into a row's float32 accumulators, in the interleaved order (one FMA per vector)."""
-    _, accty = _vec_types(_pv_isa(token, "flush_rows"))
+    _, accty = vec_types(vnni_isa(token, "flush_rows"))
     if not _is_array(acc, types.float32):
         raise TypingError(f"flush_rows: expected C-contiguous float32 accumulators, got {acc}")
     if (a0, a1, a2, a3) != (accty,) * 4:
@@ -230,22 +186,22 @@ def pv8_4rows(
     """Accumulator rows ``a_off + i * d`` (``i < 4``; query rows ``r + i``), one block of the token's width, plus
     ``sum_c w[w_off + i * w_stride + c] * v[v_offs[c] + v_add :]`` over keys ``c < cn4`` (a multiple of 4), times
     ``wscale[r + i]``. Advances the prefetch cursor by ``pf_step`` elements per 4 keys; returns it."""
-    a0 = izero_pv(token)
-    a1 = izero_pv(token)
-    a2 = izero_pv(token)
-    a3 = izero_pv(token)
-    a4 = izero_pv(token)
-    a5 = izero_pv(token)
-    a6 = izero_pv(token)
-    a7 = izero_pv(token)
-    a8 = izero_pv(token)
-    a9 = izero_pv(token)
-    a10 = izero_pv(token)
-    a11 = izero_pv(token)
-    a12 = izero_pv(token)
-    a13 = izero_pv(token)
-    a14 = izero_pv(token)
-    a15 = izero_pv(token)
+    a0 = izero(token)
+    a1 = izero(token)
+    a2 = izero(token)
+    a3 = izero(token)
+    a4 = izero(token)
+    a5 = izero(token)
+    a6 = izero(token)
+    a7 = izero(token)
+    a8 = izero(token)
+    a9 = izero(token)
+    a10 = izero(token)
+    a11 = izero(token)
+    a12 = izero(token)
+    a13 = izero(token)
+    a14 = izero(token)
+    a15 = izero(token)
     w1 = w_off + w_stride
     w2 = w_off + 2 * w_stride
     w3 = w_off + 3 * w_stride
@@ -255,25 +211,25 @@ def pv8_4rows(
         t0, t1, t2, t3 = interleave4(token, v, v_offs[c] + v_add, v_offs[c + 1] + v_add, v_offs[c + 2] + v_add,
                                      v_offs[c + 3] + v_add)
         p = broadcast_weights4(token, w, w_off + c)
-        a0 = _dp(token, a0, p, t0)
-        a1 = _dp(token, a1, p, t1)
-        a2 = _dp(token, a2, p, t2)
-        a3 = _dp(token, a3, p, t3)
+        a0 = dpbusd(token, a0, p, t0)
+        a1 = dpbusd(token, a1, p, t1)
+        a2 = dpbusd(token, a2, p, t2)
+        a3 = dpbusd(token, a3, p, t3)
         p = broadcast_weights4(token, w, w1 + c)
-        a4 = _dp(token, a4, p, t0)
-        a5 = _dp(token, a5, p, t1)
-        a6 = _dp(token, a6, p, t2)
-        a7 = _dp(token, a7, p, t3)
+        a4 = dpbusd(token, a4, p, t0)
+        a5 = dpbusd(token, a5, p, t1)
+        a6 = dpbusd(token, a6, p, t2)
+        a7 = dpbusd(token, a7, p, t3)
         p = broadcast_weights4(token, w, w2 + c)
-        a8 = _dp(token, a8, p, t0)
-        a9 = _dp(token, a9, p, t1)
-        a10 = _dp(token, a10, p, t2)
-        a11 = _dp(token, a11, p, t3)
+        a8 = dpbusd(token, a8, p, t0)
+        a9 = dpbusd(token, a9, p, t1)
+        a10 = dpbusd(token, a10, p, t2)
+        a11 = dpbusd(token, a11, p, t3)
         p = broadcast_weights4(token, w, w3 + c)
-        a12 = _dp(token, a12, p, t0)
-        a13 = _dp(token, a13, p, t1)
-        a14 = _dp(token, a14, p, t2)
-        a15 = _dp(token, a15, p, t3)
+        a12 = dpbusd(token, a12, p, t0)
+        a13 = dpbusd(token, a13, p, t1)
+        a14 = dpbusd(token, a14, p, t2)
+        a15 = dpbusd(token, a15, p, t3)
     flush_rows(token, acc, a_off, wscale[r], a0, a1, a2, a3)
     flush_rows(token, acc, a_off + d, wscale[r + 1], a4, a5, a6, a7)
     flush_rows(token, acc, a_off + 2 * d, wscale[r + 2], a8, a9, a10, a11)
@@ -287,39 +243,22 @@ def pv8_1row(
     pf_row_elems,
 ):  # pragma: no cover - compiled
     """:func:`pv8_4rows` for one row (GQA groups below 4 leave 1-3 rows per kv head)."""
-    a0 = izero_pv(token)
-    a1 = izero_pv(token)
-    a2 = izero_pv(token)
-    a3 = izero_pv(token)
+    a0 = izero(token)
+    a1 = izero(token)
+    a2 = izero(token)
+    a3 = izero(token)
     for c in range(0, cn4, 4):
         if pf_left > 0:
             pf_row, pf_col, pf_left = prefetch_run(pf, pf_rows, pf_row, pf_col, pf_left, pf_step, pf_row_elems)
         t0, t1, t2, t3 = interleave4(token, v, v_offs[c] + v_add, v_offs[c + 1] + v_add, v_offs[c + 2] + v_add,
                                      v_offs[c + 3] + v_add)
         p = broadcast_weights4(token, w, w_off + c)
-        a0 = _dp(token, a0, p, t0)
-        a1 = _dp(token, a1, p, t1)
-        a2 = _dp(token, a2, p, t2)
-        a3 = _dp(token, a3, p, t3)
+        a0 = dpbusd(token, a0, p, t0)
+        a1 = dpbusd(token, a1, p, t1)
+        a2 = dpbusd(token, a2, p, t2)
+        a3 = dpbusd(token, a3, p, t3)
     flush_rows(token, acc, a_off, wscale[r], a0, a1, a2, a3)
     return pf_row, pf_col, pf_left
-
-
-@intrinsic
-def _dp(typingctx, token, acc, u, s):
-    """``acc + VPDPBUSD(u, s)`` at the token's width (``u``: unsigned weights, ``s``: signed value codes)."""
-    isa = _pv_isa(token, "_dp")
-    vec, accty = _vec_types(isa)
-    if (acc, u, s) != (accty, vec, vec):
-        raise TypingError(f"_dp: expected ({accty}, {vec}, {vec}), got ({acc}, {u}, {s})")
-    name = "llvm.x86.avx512.vpdpbusd.512" if isa == "vnni512" else "llvm.x86.avx512.vpdpbusd.256"
-
-    def codegen(context, builder, signature, args):
-        t = accty.ir_type
-        fn = _fn(builder, name, t, [t, t, t])
-        return builder.call(fn, [args[1], builder.bitcast(args[2], t), builder.bitcast(args[3], t)])
-
-    return accty(token, acc, u, s), codegen
 
 
 # ------------------------------------------------------------------------------------------------ chunk passes
@@ -356,7 +295,7 @@ def values_q8(token, acc, w, wscale, v, k, row_off, next_off, next_n, hkv, rows_
     ``VPDPBUSD``: every row's accumulators (interleaved order) plus its chunk's weighted value codes; hints the
     next ``next_n`` keys' K rows as the float pass does, a stretch per 4 keys. Key slots ``cn..`` up to a multiple
     of 4 reuse key 0's row (their weights are 0)."""
-    width = pv_bytes(token)
+    width = code_bytes(token)
     stride = w.shape[1]
     cn4 = (cn + 3) // 4 * 4
     for c in range(cn, cn4):
@@ -394,7 +333,7 @@ def values_q8(token, acc, w, wscale, v, k, row_off, next_off, next_n, hkv, rows_
 def unpermute_rows(token, acc):  # pragma: no cover - compiled
     """Put every accumulator row of ``acc [rows, D]`` back in dimension order (from :func:`block_dims`' order,
     block by block of the token's width)."""
-    width = pv_bytes(token)
+    width = code_bytes(token)
     lanes4 = width // 4
     tmp = np.empty(width, dtype=np.float32)
     for r in range(acc.shape[0]):
@@ -421,7 +360,7 @@ def pv_token(qk: IsaToken, head_dim: int) -> tuple[IsaToken, int]:
     ``float`` variant, or a head dim that is not a multiple of the variant's width). The token is a compile-time
     argument either way; passing ``qk`` for the float P.V keeps one specialization."""
     name = variants.choose("kv_pv").name
-    width = PV_BYTES.get(name)
+    width = CODE_BYTES.get(name)
     if width is None or head_dim % width:
         return qk, 0
     return TOKENS[name], PV8_MIN_ROWS

@@ -60,33 +60,18 @@ from tessera.backends.cpu.numba_math import FASTMATH, widen
 from tessera.backends.cpu.ops._int8_simd import (
     TOKENS,
     IsaToken,
-    IsaTokenType,
     _byte_pointer,
-    _fn,
     _load,
     _mask,
     _splat,
-    i8x32,
     i32x8,
 )
-from tessera.backends.cpu.ops._int8_simd512 import i8x64, i32x16
+from tessera.backends.cpu.ops._int8_simd512 import i32x16
 from tessera.backends.cpu.simd import LANES, line_elements, prefetch, vload, vmul, vstore
+from tessera.backends.cpu.vnni_dot import CODE_BYTES, code_bytes, dpbusd, izero, vec_types, vnni_isa
 
-#: the tokens of the int8 Q.K variants and the codes one of their vectors holds
-CODE_BYTES = {"vnni512": 64, "vnni": 32}
 _I32 = ir.IntType(32)
 _F32 = ir.FloatType()
-
-
-def _qk_isa(token, what: str) -> str:
-    if not isinstance(token, IsaTokenType) or token.isa not in CODE_BYTES:
-        raise TypingError(f"{what}: expected a vnni / vnni512 ISA token, got {token}")
-    return token.isa
-
-
-def _vec_types(isa: str):
-    """(codes vector, int32 accumulator) of ``isa``'s width."""
-    return (i8x64, i32x16) if isa == "vnni512" else (i8x32, i32x8)
 
 
 def _check_codes(arr, what: str) -> None:
@@ -94,31 +79,9 @@ def _check_codes(arr, what: str) -> None:
         raise TypingError(f"{what}: expected a C-contiguous int8 array, got {arr}")
 
 
-@intrinsic
-def code_bytes(typingctx, token):
-    """Codes per vector of the token's width (64 or 32), a compile-time constant."""
-    width = CODE_BYTES[_qk_isa(token, "code_bytes")]
-
-    def codegen(context, builder, signature, args):
-        return context.get_constant(types.intp, width)
-
-    return types.intp(token), codegen
-
-
-@intrinsic
-def izero(typingctx, token):
-    """An int32 accumulator of zeros, of the token's width."""
-    acc = _vec_types(_qk_isa(token, "izero"))[1]
-
-    def codegen(context, builder, signature, args):
-        return _splat(0, acc.ir_type)
-
-    return acc(token), codegen
-
-
 def _code_loader(name: str, biased: bool):
     def typer(typingctx, token, arr, index):
-        vec = _vec_types(_qk_isa(token, name))[0]
+        vec = vec_types(vnni_isa(token, name))[0]
         _check_codes(arr, name)
         if not isinstance(index, types.Integer):
             raise TypingError(f"{name}: the offset must be an integer, got {index}")
@@ -139,24 +102,6 @@ load_keys = _code_loader("load_keys", True)
 load_keys.__doc__ = "The token's width of int8 key codes from flat offset ``index``, biased to unsigned (``k + 128``)."
 load_queries = _code_loader("load_queries", False)
 load_queries.__doc__ = "The token's width of int8 query codes from flat offset ``index``."
-
-
-@intrinsic
-def dpbusd(typingctx, token, acc, u, s):
-    """``acc + VPDPBUSD(u, s)``: int32 lane ``i`` plus ``sum_{j<4} u[4i+j] * s[4i+j]``, ``u`` unsigned and ``s``
-    signed bytes (no saturation: the ``VPDPBUSD`` form, not ``VPDPBUSDS``)."""
-    isa = _qk_isa(token, "dpbusd")
-    vec, accty = _vec_types(isa)
-    if (acc, u, s) != (accty, vec, vec):
-        raise TypingError(f"dpbusd: expected ({accty}, {vec}, {vec}), got ({acc}, {u}, {s})")
-    name = "llvm.x86.avx512.vpdpbusd.512" if isa == "vnni512" else "llvm.x86.avx512.vpdpbusd.256"
-
-    def codegen(context, builder, signature, args):
-        t = accty.ir_type
-        fn = _fn(builder, name, t, [t, t, t])
-        return builder.call(fn, [args[1], builder.bitcast(args[2], t), builder.bitcast(args[3], t)])
-
-    return accty(token, acc, u, s), codegen
 
 
 @intrinsic

@@ -61,15 +61,18 @@ class Family:
 #: what the bf16 GEMM variants need: AMX tiles, or AVX-512 bf16 dot products (torch's oneDNN uses either)
 _AMX_BF16 = frozenset({"amx-tile", "amx-bf16"})
 _AVX512_BF16 = frozenset({"avx512bf16"})
+#: what the int8 dot-product variants need: 512-bit VPDPBUSD (with byte ops and 256-bit EVEX forms), or AVX-VNNI
+_VNNI512 = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"})
+_AVX_VNNI = frozenset({"avx2", "avxvnni"})
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qgemv", "quantized matmul at decode shapes (packed int4 / int8 weights and GGUF's block formats, M <= "
                     "the GEMV row limit)", (
-        Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
+        Variant("vnni512", _VNNI512,
                 "x quantized to int8 per block of 32; two blocks per 512-bit VPDPBUSD for group-32 weights (GGUF "
                 "Q4_0 / Q4_1 / Q8_0) and the K-quants (Q4_K / Q5_K / Q6_K), the 256-bit EVEX form for other groups "
                 "and Q5_0 / Q5_1"),
-        Variant("vnni", frozenset({"avx2", "avxvnni"}),
+        Variant("vnni", _AVX_VNNI,
                 "x quantized to int8 per block of 32; u8 x s8 dot products with VPDPBUSD (AVX-VNNI, 256-bit)"),
         Variant("avx2", frozenset({"avx2"}),
                 "x quantized to int8 per block of 32; u8 x s8 dot products with VPMADDUBSW + VPMADDWD"),
@@ -95,22 +98,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     )),
     Family("kv_qk", "Q.K of decode attention over an int8 KV cache (fp8 and float KV caches always run the float "
                     "path)", (
-        Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
+        Variant("vnni512", _VNNI512,
                 "each query row quantized to int8 per step (one float32 scale per token and head); 64 products per "
                 "512-bit VPDPBUSD of the key codes biased to unsigned (k ^ 0x80) against the query codes, the bias "
                 "removed as 128 * sum(q); head dims that are a multiple of 64"),
-        Variant("vnni", frozenset({"avx2", "avxvnni"}),
+        Variant("vnni", _AVX_VNNI,
                 "as vnni512 with the 256-bit VPDPBUSD (AVX-VNNI); head dims that are a multiple of 32"),
         Variant("portable", frozenset(),
                 "key codes widened to float32 and FMA'd against the float32 query (no query rounding)"),
     )),
     Family("kv_pv", "P.V of decode attention over an int8 KV cache, inside the int8 Q.K kernel (with kv_qk=portable, "
                     "fp8 or float caches P.V is float)", (
-        Variant("vnni512", frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}),
+        Variant("vnni512", _VNNI512,
                 "each row's chunk of probabilities times value scales rounded to uint8 (one float32 scale per row "
                 "and chunk); 4 keys' value codes interleaved per 32-bit lane, 64 products per 512-bit VPDPBUSD; "
                 "head dims that are a multiple of 64"),
-        Variant("vnni", frozenset({"avx2", "avxvnni"}),
+        Variant("vnni", _AVX_VNNI,
                 "as vnni512 with the 256-bit VPDPBUSD (AVX-VNNI); head dims that are a multiple of 32"),
         Variant("float", frozenset(), "value codes widened to float32 and FMA'd with the float32 probabilities"),
     )),
