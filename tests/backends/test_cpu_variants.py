@@ -498,8 +498,11 @@ token = _qdot.chosen_token(qw)
 if token is None:
     print("portable")
 else:
-    # gemv_int4(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out): the scales' and offsets' types
-    scale_types = {str(sig[i]) for sig in kernels.gemv_int4.signatures for i in (5, 6)}
+    # gemv_int4(isa, xq, xd, xs, packed, scales, offsets, has_min, group, out) and, under vnni512, the row-panel
+    # gemv_panel(isa, xq, xd, xs, codes, scales, offsets, out): the scales' and offsets' types
+    from tessera.backends.cpu.ops import _qdot_panel as panel
+    sigs = [*kernels.gemv_int4.signatures, *panel.gemv_panel.signatures]
+    scale_types = {str(sig[i]) for sig in sigs for i in (5, 6)}
     print("int8 kernels:", len(kernels.gemv_int8.signatures), "scales:", sorted(scale_types))
 """
 

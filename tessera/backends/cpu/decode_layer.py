@@ -55,6 +55,7 @@ from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_row_range, int8_r
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
 from tessera.backends.cpu.ops._qdot_ggml import ggml_rows
+from tessera.backends.cpu.ops._qdot_panel import panel_row_range
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
@@ -87,11 +88,11 @@ def _kind(w, isa):
     portable int4."""
     if isinstance(w, types.Array):
         return 0
-    if not isinstance(w, types.BaseTuple) or len(w.types) not in (3, 5):
-        raise TypingError(f"decoder layer: expected a float array or a packed weight tuple of 3 or 5 items, got {w}")
+    if not isinstance(w, types.BaseTuple) or len(w.types) not in (3, 4, 5):
+        raise TypingError(f"decoder layer: expected a float array or a packed weight tuple of 3 to 5 items, got {w}")
     if isinstance(isa, IsaTokenType):
         return 1
-    if len(w.types) == 3 or _is_ggml(w):
+    if len(w.types) in (3, 4) or _is_ggml(w):
         raise TypingError("decoder layer: int8 and ggml block-format weights need an int8-activation qgemv variant "
                           "(isa is None)")
     return 2
@@ -194,6 +195,12 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
             _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return ggml_int8_activation_rows
+    if kind == 1 and len(w.types) == 4:
+        def panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            codes, scales, offsets, n = w
+            panel_row_range(isa, inp[0], inp[1], inp[2], codes, scales, offsets, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return panel_int8_activation_rows
     if kind == 1 and len(w.types) == 5:
         def int4_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             packed, scales, offsets, has_min, group = w
@@ -280,7 +287,8 @@ def _rows_phase(sync, phase, inp, w, b, acc, out, isa, n_claims):  # pragma: no 
     """A GEMV phase: cut the output rows into about ``n_claims`` chunks, claim chunks until none is left, then wait
     for the rest."""
     n_rows = acc.shape[1]
-    claim_rows = max(MIN_CLAIM_ROWS, ((n_rows + n_claims - 1) // n_claims + 3) // 4 * 4)
+    # a multiple of 16: the row-panel kernels start a chunk on a whole panel (and the float rows on a 4-row block)
+    claim_rows = max(MIN_CLAIM_ROWS, ((n_rows + n_claims - 1) // n_claims + 15) // 16 * 16)
     chunks = (n_rows + claim_rows - 1) // claim_rows
     while True:
         c = atomics.fetch_add(sync, 2 * phase, 1)
@@ -467,6 +475,8 @@ def _n_out_overload(w):
         return lambda w: w.shape[0]
     if _is_ggml(w):
         return lambda w: w[4] + w[1].shape[0]
+    if len(w.types) == 4:  # the row-panel layout: N is given, its arrays are per panel
+        return lambda w: w[3]
     return lambda w: w[0].shape[0]
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from tessera._atomic import write_text_atomic
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _qdot_ggml as ggml_kernels
 from tessera.backends.cpu.ops import _qdot_kernels as kernels
+from tessera.backends.cpu.ops import _qdot_panel as panel_kernels
 from tessera.backends.cpu.ops._ggml_kernels import FMT_CODES as GGML_CODES
 from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
 from tessera.backends.cpu.ops._narrow import group_view
@@ -222,10 +224,50 @@ def unsupported(qw: QuantizedWeight | StackedWeight) -> str | None:
     return None
 
 
-def weight_arrays(qw: QuantizedWeight | StackedWeight) -> tuple:
+def takes_panels(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None) -> bool:
+    """Whether ``qw`` runs the row-panel kernels (:mod:`._qdot_panel`): group-32 int4 / int4_min (GGUF Q4_0 / Q4_1)
+    under the ``vnni512`` token, at every number of activation rows."""
+    return isa is VNNI512 and isinstance(qw, QuantizedWeight) and qw.fmt in ("int4", "int4_min") \
+        and qw.group_size == kernels.BLOCK
+
+
+#: activation rows from which a parallel call quantizes them over its threads too (a prefill chunk); below, the
+#: thread pool's wake-up costs more than the work
+PARALLEL_QUANTIZE_ROWS = 16
+
+#: ids of (codes, scales, offsets) -> (weak references to them, their panel layout): built on a weight's first use
+_PANELS: dict[tuple[int, int, int], tuple[tuple[weakref.ref, ...], tuple]] = {}
+
+
+def panel_arrays(qw: QuantizedWeight) -> tuple:
+    """``(codes, scales, offsets, N)``: ``qw`` in the row-panel layout (:func:`._qdot_panel.repack_int4_g32`),
+    repacked on its first use and kept while its codes live.
+
+    The repacked copy is held beside the weight's own arrays, which the other readers (de-quantization, the
+    embedding rows, tensor-parallel sharding, export) still take, so a packed int4 weight costs its bytes twice in
+    memory on ``vnni512`` machines; the hot path reads only the panels. Repacking is a byte shuffle (~1 ms per
+    4 MiB of codes)."""
+    offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
+    parts = (qw.data, qw.scales, offsets)  # weights made by dataclasses.replace may share some of these
+    key = tuple(map(id, parts))
+    hit = _PANELS.get(key)
+    if hit is not None and all(ref() is part for ref, part in zip(hit[0], parts)):
+        return hit[1]
+    arrays = (*panel_kernels.repack_int4_g32(qw.data.numpy(), group_view(qw.scales), group_view(offsets)),
+              qw.shape[0])
+    drop = lambda _, key=key: _PANELS.pop(key, None)
+    _PANELS[key] = (tuple(weakref.ref(part, drop) for part in parts), arrays)
+    return arrays
+
+
+def weight_arrays(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None = None) -> tuple:
     """The kernels' weight arguments after the activation ones, as NumPy views: ``(q, scales, group)`` for int8,
     ``(packed, scales, offsets, has_min, group)`` for int4 / int4_min, and ``(w0, w1, fmt0, fmt1, split)`` for ggml's
-    block formats (:func:`._qdot_ggml.ggml_rows`; one format: ``w1`` empty and ``split = N``)."""
+    block formats (:func:`._qdot_ggml.ggml_rows`; one format: ``w1`` empty and ``split = N``). Given the ISA token
+    the weights will run under, a weight that :func:`takes_panels` is ``(codes, scales, offsets, N)`` in the panel
+    layout (:func:`panel_arrays`)."""
+    if takes_panels(qw, isa):
+        return panel_arrays(qw)
     if isinstance(qw, StackedWeight):
         a, b = qw.parts
         return (a.data.numpy(), b.data.numpy(), GGML_CODES[a.fmt], GGML_CODES[b.fmt], a.shape[0])
@@ -243,10 +285,15 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight | StackedWeight, isa: IsaToken,
     integer kernels of ``isa`` on the calling thread (``serial``) or over all threads."""
     m = x.shape[0]
     out = torch.empty(m, qw.shape[0], dtype=torch.float32)
-    xq, xd, xs = kernels.quantize_activations(x.numpy())
+    parallel_rows = not serial and m >= PARALLEL_QUANTIZE_ROWS
+    xq, xd, xs = (panel_kernels.quantize_activations_parallel if parallel_rows else
+                  kernels.quantize_activations)(x.numpy())
     on = out.numpy()
     if isinstance(qw, StackedWeight) or qw.fmt in GGML_CODES:
         (ggml_kernels.gemv_ggml_serial if serial else ggml_kernels.gemv_ggml)(isa, xq, xd, xs, *weight_arrays(qw), on)
+    elif takes_panels(qw, isa):
+        (panel_kernels.gemv_panel_serial if serial else panel_kernels.gemv_panel)(isa, xq, xd, xs, *panel_arrays(qw)[:3],
+                                                                                on)
     elif qw.fmt == "int8":
         q, scales, group = weight_arrays(qw)
         (kernels.gemv_int8_serial if serial else kernels.gemv_int8)(isa, xq, xd, q, scales, group, on)

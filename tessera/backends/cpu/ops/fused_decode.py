@@ -90,11 +90,11 @@ def unsupported_reason(config: ModelConfig, weights: dict) -> str | None:
     return None
 
 
-def _weight_view(w):
-    """A projection as the kernel takes it: a float storage array, or a packed weight's arrays
-    (:func:`tessera.backends.cpu.ops._qdot.weight_arrays`)."""
+def _weight_view(w, isa):
+    """A projection as the kernel takes it: a float storage array, or a packed weight's arrays for the ISA token
+    ``isa`` (:func:`tessera.backends.cpu.ops._qdot.weight_arrays`)."""
     if isinstance(w, (QuantizedWeight, StackedWeight)):
-        return qdot.weight_arrays(w)
+        return qdot.weight_arrays(w, isa)
     return storage_view(w.detach())
 
 
@@ -135,11 +135,16 @@ def _layer_views(model) -> tuple[list[tuple], int, object, list] | None:
     views = None
     if unsupported_reason(config, w) is None:
         absent = storage_view(torch.zeros(0, dtype=model.dtype))
+        # the token only when something is packed: choosing it compiles and self-checks the int8 kernels (~30 s
+        # cold), which a float model never runs
+        packed = [t for name, t in w.items() if name.startswith("layers.")
+                  and isinstance(t, (QuantizedWeight, StackedWeight))]
+        isa = qdot.chosen_token(*packed) if packed else None
 
         def get(name: str):
             if name not in w:
                 return absent
-            return _weight_view(w[name]) if name.rsplit(".", 2)[-2] in _PROJECTIONS else storage_view(w[name].detach())
+            return _weight_view(w[name], isa) if name.rsplit(".", 2)[-2] in _PROJECTIONS else storage_view(w[name].detach())
 
         views = []
         for i in range(config.num_layers):
@@ -164,11 +169,7 @@ def _layer_views(model) -> tuple[list[tuple], int, object, list] | None:
         largest = max(int(t.shape[0]) * int(t.shape[1]) for name, t in w.items()
                       if name.startswith("layers.") and name.endswith(".weight")
                       and name.rsplit(".", 2)[-2] in _PROJECTIONS)
-        # the token only when something is packed: choosing it compiles and self-checks the int8 kernels (~30 s
-        # cold), which a float model never runs
-        packed = [t for name, t in w.items() if name.startswith("layers.")
-                  and isinstance(t, (QuantizedWeight, StackedWeight))]
-        views = (views, largest, qdot.chosen_token(*packed) if packed else None, _runs(config, views))
+        views = (views, largest, isa, _runs(config, views))
     _remember(_VIEWS, model, (variant, identity, views))
     return views
 

@@ -224,7 +224,9 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if qw.fmt in ggml.FMT_CODES:
         return _ggml_matmul(xf, qw).to(x.dtype)
     gemv_max_m = tuned("quant_gemv_max_m", qw.fmt, gemv_max_m_default(qw.fmt))
-    out = _gemv(xf, qw) if x.shape[0] <= gemv_max_m else _gemm_tiled(xf, qw)
+    # the row-panel kernels beat the de-quantized bf16 tiles at every M measured (docs/kernels/quant.md)
+    panels = qdot.unsupported(qw) is None and qdot.takes_panels(qw, qdot.chosen_token(qw))
+    out = _gemv(xf, qw) if panels or x.shape[0] <= gemv_max_m else _gemm_tiled(xf, qw)
     return out.to(x.dtype)
 
 

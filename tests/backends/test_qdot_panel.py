@@ -1,0 +1,120 @@
+"""The row-panel int8-activation kernels (``backends/cpu/ops/_qdot_panel.py``): the repacked layout, every output
+written and no other, against the float64 oracle of the quantized activation, and their place in ``qmatmul``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.backends.cpu.ops import _qdot, _qdot_kernels, _qdot_panel
+from tessera.backends.cpu.ops._int8_simd import VNNI512
+from tessera.backends.reference.ops.quant import qmatmul_f64
+from tessera.kernels import quant as Q
+from tests.cpu_variants import skip_unless_runs
+from tests.kernels.conftest import gen  # noqa: F401  (the seeded-generator fixture)
+from tests.kernels.tolerances import assert_close_to_oracle
+
+
+def _weight(fmt: str, n: int, k: int, half: bool, gen: torch.Generator) -> Q.QuantizedWeight:
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen).add(0.1)
+    qw = Q.quantize(w, fmt, 32)
+    if half:  # GGUF keeps its scales (and Q4_1 mins) in float16
+        qw = dataclasses.replace(qw, scales=qw.scales.half(), mins=None if qw.mins is None else qw.mins.half())
+    return qw
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4_min"])
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_repack_moves_each_row_block_four_bytes_at_a_time(fmt: str, n: int, gen: torch.Generator) -> None:
+    """Panel p, block b, chunk c, lane j holds bytes 4c .. 4c + 3 of row 16p + j's block b; scales and offsets in
+    the same lane order; rows past N are zero."""
+    qw = _weight(fmt, n, 96, True, gen)
+    packed, scales, offsets, _, _ = _qdot.weight_arrays(qw)
+    codes, sc, of = _qdot_panel.repack_int4_g32(packed, scales, offsets)
+    p_count, nb = (n + 15) // 16, 3
+    assert codes.shape == (p_count, nb * 256) and sc.shape == of.shape == (p_count, nb * 16)
+    grid = codes.reshape(p_count, nb, 4, 16, 4)  # panel, block, chunk, lane, byte
+    rows = np.zeros((p_count * 16, nb, 16), dtype=np.uint8)
+    rows[:n] = packed.reshape(n, nb, 16)
+    want = rows.reshape(p_count, 16, nb, 4, 4).transpose(0, 2, 3, 1, 4)
+    assert np.array_equal(grid, want)
+    lanes = lambda a: a.reshape(p_count, nb, 16).transpose(0, 2, 1).reshape(p_count * 16, nb)[:n]
+    assert np.array_equal(lanes(sc), scales) and np.array_equal(lanes(of), offsets)
+    assert not grid[-1, :, :, n % 16 or 16:].any() and not sc.reshape(p_count, nb, 16)[-1, :, n % 16 or 16:].any()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4_min"])
+@pytest.mark.parametrize("half", [False, True])
+def test_panel_kernels_write_every_output_and_match_the_oracle(fmt: str, half: bool, gen: torch.Generator) -> None:
+    """NaN-poisoned outputs, serial and parallel: N not a multiple of the panel (a partial last panel), 1 to 9 blocks
+    and a long K, activation rows in blocks of four and alone; against the float64 product of the quantized
+    activation (fp32 tolerance)."""
+    skip_unless_runs("qgemv", "vnni512")
+    for n, k in ((37, 32), (16, 96), (5, 288), (70, 2048 + 32)):
+        qw = _weight(fmt, n, k, half, gen)
+        codes, sc, of, n_rows = _qdot.panel_arrays(qw)
+        assert n_rows == n
+        for m in (1, 3, 4, 7):
+            x = torch.randn(m, k, generator=gen)
+            want = qmatmul_f64(_qdot.quantized_activation(x), qw)
+            xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+            for kernel in (_qdot_panel.gemv_panel_serial, _qdot_panel.gemv_panel):
+                got = np.full((m, n), np.nan, np.float32)
+                kernel(VNNI512, xq, xd, xs, codes, sc, of, got)
+                assert_close_to_oracle(torch.from_numpy(got), want, torch.float32,
+                                       f"{fmt} half={half} N={n} K={k} M={m} {kernel.__name__}", reduction=True)
+
+
+def test_a_row_range_writes_only_its_rows(gen: torch.Generator) -> None:
+    """``panel_row_range(lo, hi)`` with ``hi`` inside a panel (the fused layer's chunks) leaves every other output
+    untouched."""
+    skip_unless_runs("qgemv", "vnni512")
+    qw = _weight("int4", 53, 64, False, gen)
+    codes, sc, of, _ = _qdot.panel_arrays(qw)
+    x = torch.randn(5, 64, generator=gen)
+    xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+    got = np.full((5, 53), np.nan, np.float32)
+    _qdot_panel.panel_row_range(VNNI512, xq, xd, xs, codes, sc, of, got, 16, 41)
+    assert not np.isnan(got[:, 16:41]).any() and np.isnan(got[:, :16]).all() and np.isnan(got[:, 41:]).all()
+    want = qmatmul_f64(_qdot.quantized_activation(x), qw)[:, 16:41]
+    assert_close_to_oracle(torch.from_numpy(got[:, 16:41]), want, torch.float32, "rows 16:41", reduction=True)
+
+
+def test_rows_do_not_depend_on_their_neighbours(gen: torch.Generator) -> None:
+    """A token's row is bit-identical alone, in a block of four and as a tail: batched decode and speculative
+    verification reproduce a lone decode's greedy token."""
+    skip_unless_runs("qgemv", "vnni512")
+    qw = _weight("int4_min", 37, 576, True, gen)
+    x = torch.randn(9, 576, generator=gen)
+    together = _qdot.qmatmul(x, qw, VNNI512, True)
+    for m in range(9):
+        assert torch.equal(together[m], _qdot.qmatmul(x[m:m + 1], qw, VNNI512, True)[0]), f"row {m}"
+
+
+def test_qmatmul_takes_panels_at_every_m_under_vnni512(monkeypatch, gen: torch.Generator) -> None:
+    """Group-32 int4 under ``vnni512`` runs the panels for decode rows and prefill chunks alike (no bf16 tiles):
+    int8-activation accuracy at M = 64; other groups and variants keep their kernels."""
+    skip_unless_runs("qgemv", "vnni512")
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=vnni512")
+    qw = _weight("int4", 40, 128, True, gen)
+    assert _qdot.takes_panels(qw, VNNI512) and not _qdot.takes_panels(qw, None)
+    assert not _qdot.takes_panels(Q.quantize(torch.randn(8, 128, generator=gen), "int4", 64), VNNI512)
+    assert not _qdot.takes_panels(Q.quantize(torch.randn(8, 128, generator=gen), "int8", 32), VNNI512)
+    x = torch.randn(64, 128, generator=gen)
+    assert_close_to_oracle(Q.qmatmul(x, qw, backend="cpu"), qmatmul_f64(_qdot.quantized_activation(x), qw),
+                           torch.float32, "M=64 through qmatmul", reduction=True)
+
+
+def test_the_panel_copy_is_built_once_and_dropped_with_its_weight(gen: torch.Generator) -> None:
+    qw = _weight("int4", 20, 64, False, gen)
+    first = _qdot.panel_arrays(qw)
+    assert _qdot.panel_arrays(qw) is first
+    other = dataclasses.replace(qw, scales=qw.scales * 2)  # shares the codes: a layout of its own
+    assert _qdot.panel_arrays(other)[1] is not first[1]
+    assert np.array_equal(_qdot.panel_arrays(other)[1], first[1] * 2)
+    keys = {tuple(map(id, (w.data, w.scales, w.zeros))) for w in (qw, other)}
+    del qw, first, other
+    assert not keys & set(_qdot._PANELS)
