@@ -21,6 +21,7 @@ from tessera.backends.cpu.ops import _gemv as float_gemv
 from tessera.backends.cpu.ops import _ggml_kernels as ggml
 from tessera.backends.cpu.ops import _qdot as qdot
 from tessera.backends.cpu.ops import _quant_kernels as kernels
+from tessera.backends.cpu.ops._int8_simd import VNNI512
 from tessera.backends.cpu.ops._narrow import group_view
 from tessera.backends.reference.ops.quant import dequantize_in, quantize_in
 from tessera.kernels.quant import QuantizedWeight
@@ -225,7 +226,7 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         return _ggml_matmul(xf, qw).to(x.dtype)
     gemv_max_m = tuned("quant_gemv_max_m", qw.fmt, gemv_max_m_default(qw.fmt))
     # the row-panel kernels beat the de-quantized bf16 tiles at every M measured (docs/kernels/quant.md)
-    panels = qdot.unsupported(qw) is None and qdot.takes_panels(qw, qdot.chosen_token(qw))
+    panels = qdot.takes_panels(qw, VNNI512) and qdot.unsupported(qw) is None and qdot.chosen_token(qw) is VNNI512
     out = _gemv(xf, qw) if panels or x.shape[0] <= gemv_max_m else _gemm_tiled(xf, qw)
     return out.to(x.dtype)
 
