@@ -180,8 +180,10 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     """Columns ``lo .. hi - 1`` of ``out = x @ w.T (+ b)`` from the prepared input: ``w`` is a float storage array
     ``[N, K]`` or a packed weight as :func:`tessera.backends.cpu.ops._qdot.weight_arrays` gives it,
     ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], has_min, g)`` for int4 / int4_min or
-    ``(q int8 [N, K], scales, g)`` for int8, ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats (two row blocks,
-    :func:`tessera.backends.cpu.ops._qdot_ggml.ggml_rows`). ``acc`` float32 ``[T, N]`` holds the GEMV result before
+    ``(q int8 [N, K], scales, g)`` for int8, ``(codes, scales, offsets, N)`` for group-32 int4 in the row-panel
+    layout (:mod:`tessera.backends.cpu.ops._qdot_panel`), ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats
+    (two row blocks, :func:`tessera.backends.cpu.ops._qdot_ggml.ggml_rows`).
+    ``acc`` float32 ``[T, N]`` holds the GEMV result before
     :func:`_finish_rows` rounds it into ``out``."""
     kind = _kind(w, isa)
     if kind == 0:

@@ -245,8 +245,8 @@ def panel_arrays(qw: QuantizedWeight) -> tuple:
 
     The repacked copy is held beside the weight's own arrays, which the other readers (de-quantization, the
     embedding rows, tensor-parallel sharding, export) still take, so a packed int4 weight costs its bytes twice in
-    memory on ``vnni512`` machines; the hot path reads only the panels. Repacking is a byte shuffle (~1 ms per
-    4 MiB of codes)."""
+    memory on ``vnni512`` machines; the hot path reads only the panels. Repacking is one pass over the weight's
+    bytes (not timed on its own)."""
     offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
     parts = (qw.data, qw.scales, offsets)  # weights made by dataclasses.replace may share some of these
     key = tuple(map(id, parts))
