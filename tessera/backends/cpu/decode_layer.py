@@ -55,7 +55,9 @@ from tessera.backends.cpu.ops._qdot_kernels import BLOCK, int4_row_range, int8_r
 from tessera.backends.cpu.ops._quant_kernels import _int4_rows
 from tessera.backends.cpu.ops._narrow import narrow
 from tessera.backends.cpu.ops._qdot_ggml import ggml_rows
+from tessera.backends.cpu.ops._qdot_kpanel import kpanel_row_range
 from tessera.backends.cpu.ops._qdot_panel import panel_row_range
+from tessera.backends.cpu.ops._qdot_q6panel import offsets16, q6panel_row_range
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
@@ -88,11 +90,11 @@ def _kind(w, isa):
     portable int4."""
     if isinstance(w, types.Array):
         return 0
-    if not isinstance(w, types.BaseTuple) or len(w.types) not in (3, 4, 5):
-        raise TypingError(f"decoder layer: expected a float array or a packed weight tuple of 3 to 5 items, got {w}")
+    if not isinstance(w, types.BaseTuple) or len(w.types) not in (3, 4, 5, 6):
+        raise TypingError(f"decoder layer: expected a float array or a packed weight tuple of 3 to 6 items, got {w}")
     if isinstance(isa, IsaTokenType):
         return 1
-    if len(w.types) in (3, 4) or _is_ggml(w):
+    if len(w.types) in (3, 4, 6) or _is_ggml(w):
         raise TypingError("decoder layer: int8 and ggml block-format weights need an int8-activation qgemv variant "
                           "(isa is None)")
     return 2
@@ -181,7 +183,9 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     ``[N, K]`` or a packed weight as :func:`tessera.backends.cpu.ops._qdot.weight_arrays` gives it,
     ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], has_min, g)`` for int4 / int4_min or
     ``(q int8 [N, K], scales, g)`` for int8, ``(codes, scales, offsets, N)`` for group-32 int4 in the row-panel
-    layout (:mod:`tessera.backends.cpu.ops._qdot_panel`), ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats
+    layout (:mod:`tessera.backends.cpu.ops._qdot_panel`), ``(codes, sc, mn, d, dmin, N)`` for Q4_K and
+    ``(codes, sc int8, d, N)`` for Q6_K in theirs (:mod:`tessera.backends.cpu.ops._qdot_kpanel`,
+    :mod:`tessera.backends.cpu.ops._qdot_q6panel`), ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats
     (two row blocks, :func:`tessera.backends.cpu.ops._qdot_ggml.ggml_rows`).
     ``acc`` float32 ``[T, N]`` holds the GEMV result before
     :func:`_finish_rows` rounds it into ``out``."""
@@ -197,12 +201,24 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
             _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return ggml_int8_activation_rows
+    if kind == 1 and len(w.types) == 4 and w.types[1].dtype == types.int8:  # Q6_K panels: int8 scales
+        def q6k_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            codes, sc, d, n = w
+            q6panel_row_range(isa, inp[0], inp[1], offsets16(inp[0], inp[1]), codes, sc, d, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return q6k_panel_int8_activation_rows
     if kind == 1 and len(w.types) == 4:
         def panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             codes, scales, offsets, n = w
             panel_row_range(isa, inp[0], inp[1], inp[2], codes, scales, offsets, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return panel_int8_activation_rows
+    if kind == 1 and len(w.types) == 6:
+        def q4k_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            codes, sc, mn, d, dmin, n = w
+            kpanel_row_range(isa, inp[0], inp[1], inp[2], codes, sc, mn, d, dmin, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return q4k_panel_int8_activation_rows
     if kind == 1 and len(w.types) == 5:
         def int4_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             packed, scales, offsets, has_min, group = w
@@ -237,7 +253,7 @@ def _float_rows(xf, w, acc, lo, hi):  # pragma: no cover - compiled
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _ggml_act_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi):  # pragma: no cover - compiled
-    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi)
+    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, acc, lo, hi, False)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -477,8 +493,10 @@ def _n_out_overload(w):
         return lambda w: w.shape[0]
     if _is_ggml(w):
         return lambda w: w[4] + w[1].shape[0]
-    if len(w.types) == 4:  # the row-panel layout: N is given, its arrays are per panel
+    if len(w.types) == 4:  # the row-panel layouts: N is given, their arrays are per panel
         return lambda w: w[3]
+    if len(w.types) == 6:
+        return lambda w: w[5]
     return lambda w: w[0].shape[0]
 
 

@@ -46,6 +46,56 @@ panel_high = _load_typer("panel_high", _emit_high, i8x64)
 panel_high.__doc__ = "The high nibbles of 64 packed bytes at flat offset ``index`` (codes 0..15)."
 
 
+
+def _emit_u8_f32x16(builder, ptr, dtype=None):
+    return builder.uitofp(builder.load(builder.bitcast(ptr, _V8x16.as_pointer()), align=1), _VF16)
+
+
+load_u8_f32x16 = _load_typer("load_u8_f32x16", _emit_u8_f32x16, f32x16)
+load_u8_f32x16.__doc__ = ("``f32x16``: sixteen unsigned bytes from flat offset ``index``, widened (a Q4_K panel's "
+                          "6-bit sub-block scales or mins of sixteen rows).")
+
+
+
+def _emit_i8_f32x16(builder, ptr, dtype=None):
+    return builder.sitofp(builder.load(builder.bitcast(ptr, _V8x16.as_pointer()), align=1), _VF16)
+
+
+load_i8_f32x16 = _load_typer("load_i8_f32x16", _emit_i8_f32x16, f32x16)
+load_i8_f32x16.__doc__ = ("``f32x16``: sixteen signed bytes from flat offset ``index``, widened (a Q6_K panel's "
+                          "sub-block scales of sixteen rows).")
+
+
+@intrinsic
+def q6_panel_codes(typingctx, arr, nib, top, c, high):
+    """``i8x64``: 64 six-bit codes (0..63) of a Q6_K panel: the low (``high`` False) or high nibbles of the 64 bytes
+    at ``nib`` below bits ``2c, 2c + 1`` of the 64 bytes at ``top`` (:func:`._qdot_q6panel.repack_q6k`). ``c`` and
+    ``high`` should be constants, so the shifts fold."""
+    from tessera.backends.cpu.ops._int8_simd import _check_bytes
+
+    _check_bytes(arr, "q6_panel_codes")
+    for v in (nib, top, c):
+        if not isinstance(v, types.Integer):
+            raise TypingError(f"q6_panel_codes: offsets and the chunk must be integers, got {v}")
+    if not isinstance(high, types.Boolean):
+        raise TypingError(f"q6_panel_codes: high must be a bool, got {high}")
+
+    def codegen(context, builder, signature, args):
+        sig = signature.args
+        low = _load(builder, _byte_pointer(context, builder, sig[0], args[0], args[1], sig[1]), _V8x64)
+        bits = _load(builder, _byte_pointer(context, builder, sig[0], args[0], args[2], sig[2]), _V8x64)
+        shift = builder.trunc(context.cast(builder, args[3], sig[3], types.int64), _I8)
+        shift = builder.shl(shift, ir.Constant(_I8, 1))
+        one = builder.insert_element(ir.Constant(_V8x64, ir.Undefined), shift, ir.Constant(_I32, 0))
+        spread = builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 64), [0] * 64))
+        top2 = builder.shl(builder.and_(builder.lshr(bits, spread), _splat(3, _V8x64)), _splat(4, _V8x64))
+        nibble = builder.select(builder.icmp_unsigned("!=", args[4], ir.Constant(ir.IntType(1), 0)),
+                                builder.lshr(low, _splat(4, _V8x64)), builder.and_(low, _splat(15, _V8x64)))
+        return builder.or_(nibble, top2)
+
+    return i8x64(arr, nib, top, c, high), codegen
+
+
 @intrinsic
 def dot_bcast(typingctx, token, acc, codes, xq, index):
     """``acc + dot``: lane ``i`` gains the sum over ``j < 4`` of ``codes[4i + j] * xq[index + j]`` (unsigned codes,

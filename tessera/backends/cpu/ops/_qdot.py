@@ -18,7 +18,9 @@ from tessera._atomic import write_text_atomic
 from tessera.backends.cpu import variants
 from tessera.backends.cpu.ops import _qdot_ggml as ggml_kernels
 from tessera.backends.cpu.ops import _qdot_kernels as kernels
+from tessera.backends.cpu.ops import _qdot_kpanel as kpanel_kernels
 from tessera.backends.cpu.ops import _qdot_panel as panel_kernels
+from tessera.backends.cpu.ops import _qdot_q6panel as q6panel_kernels
 from tessera.backends.cpu.ops._ggml_kernels import FMT_CODES as GGML_CODES
 from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
 from tessera.backends.cpu.ops._narrow import group_view
@@ -225,36 +227,48 @@ def unsupported(qw: QuantizedWeight | StackedWeight) -> str | None:
 
 
 def takes_panels(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None) -> bool:
-    """Whether ``qw`` runs the row-panel kernels (:mod:`._qdot_panel`): group-32 int4 / int4_min (GGUF Q4_0 / Q4_1)
-    under the ``vnni512`` token, at every number of activation rows."""
-    return isa is VNNI512 and isinstance(qw, QuantizedWeight) and qw.fmt in ("int4", "int4_min") \
-        and qw.group_size == kernels.BLOCK
+    """Whether ``qw`` runs the row-panel kernels at every number of activation rows: group-32 int4 / int4_min (GGUF
+    Q4_0 / Q4_1, :mod:`._qdot_panel`) and ggml's Q4_K and Q6_K (:mod:`._qdot_kpanel`, :mod:`._qdot_q6panel`), under
+    the ``vnni512`` token."""
+    if isa is not VNNI512 or not isinstance(qw, QuantizedWeight):
+        return False
+    return qw.fmt in ("q4_k", "q6_k") or (qw.fmt in ("int4", "int4_min") and qw.group_size == kernels.BLOCK)
 
 
 #: activation rows from which a parallel call quantizes them over its threads too (a prefill chunk); below, the
 #: thread pool's wake-up costs more than the work
 PARALLEL_QUANTIZE_ROWS = 16
 
-#: ids of (codes, scales, offsets) -> (weak references to them, their panel layout): built on a weight's first use
-_PANELS: dict[tuple[int, int, int], tuple[tuple[weakref.ref, ...], tuple]] = {}
+#: ids of (codes, scales, offsets), or of a Q4_K weight's block bytes -> (weak references to them, their panel
+#: layout): built on a weight's first use
+_PANELS: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple]] = {}
 
 
 def panel_arrays(qw: QuantizedWeight) -> tuple:
-    """``(codes, scales, offsets, N)``: ``qw`` in the row-panel layout (:func:`._qdot_panel.repack_int4_g32`),
-    repacked on its first use and kept while its codes live.
+    """``qw`` in its row-panel layout, repacked on its first use and kept while its arrays live: ``(codes, scales,
+    offsets, N)`` for group-32 int4 (:func:`._qdot_panel.repack_int4_g32`), ``(codes, sc, mn, d, dmin, N)`` for
+    Q4_K (:func:`._qdot_kpanel.repack_q4k`), ``(codes, sc, d, N)`` for Q6_K (:func:`._qdot_q6panel.repack_q6k`; its
+    int8 ``sc`` tells it from the group-32 tuple).
 
     The repacked copy is held beside the weight's own arrays, which the other readers (de-quantization, the
-    embedding rows, tensor-parallel sharding, export) still take, so a packed int4 weight costs its bytes twice in
-    memory on ``vnni512`` machines; the hot path reads only the panels. Repacking is one pass over the weight's
-    bytes (not timed on its own)."""
-    offsets = qw.mins if qw.fmt == "int4_min" else qw.zeros
-    parts = (qw.data, qw.scales, offsets)  # weights made by dataclasses.replace may share some of these
-    key = tuple(map(id, parts))
+    embedding rows, tensor-parallel sharding, export) still take, so a packed weight that takes the panels costs
+    its bytes twice in memory on ``vnni512`` machines; the hot path reads only the panels. Repacking is one pass
+    over the weight's bytes (not timed on its own)."""
+    if qw.fmt in ("q4_k", "q6_k"):
+        parts = (qw.data,)
+    else:
+        parts = (qw.data, qw.scales, qw.mins if qw.fmt == "int4_min" else qw.zeros)
+    key = tuple(map(id, parts))  # weights made by dataclasses.replace may share some of these
     hit = _PANELS.get(key)
     if hit is not None and all(ref() is part for ref, part in zip(hit[0], parts)):
         return hit[1]
-    arrays = (*panel_kernels.repack_int4_g32(qw.data.numpy(), group_view(qw.scales), group_view(offsets)),
-              qw.shape[0])
+    if qw.fmt == "q4_k":
+        arrays = (*kpanel_kernels.repack_q4k(qw.data.numpy()), qw.shape[0])
+    elif qw.fmt == "q6_k":
+        arrays = (*q6panel_kernels.repack_q6k(qw.data.numpy()), qw.shape[0])
+    else:
+        arrays = (*panel_kernels.repack_int4_g32(qw.data.numpy(), group_view(parts[1]), group_view(parts[2])),
+                  qw.shape[0])
     drop = lambda _, key=key: _PANELS.pop(key, None)
     _PANELS[key] = (tuple(weakref.ref(part, drop) for part in parts), arrays)
     return arrays
@@ -264,8 +278,8 @@ def weight_arrays(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None = No
     """The kernels' weight arguments after the activation ones, as NumPy views: ``(q, scales, group)`` for int8,
     ``(packed, scales, offsets, has_min, group)`` for int4 / int4_min, and ``(w0, w1, fmt0, fmt1, split)`` for ggml's
     block formats (:func:`._qdot_ggml.ggml_rows`; one format: ``w1`` empty and ``split = N``). Given the ISA token
-    the weights will run under, a weight that :func:`takes_panels` is ``(codes, scales, offsets, N)`` in the panel
-    layout (:func:`panel_arrays`)."""
+    the weights will run under, a weight that :func:`takes_panels` is in its panel layout (:func:`panel_arrays`:
+    ``(codes, scales, offsets, N)``, ``(codes, sc, mn, d, dmin, N)`` for Q4_K, ``(codes, sc, d, N)`` for Q6_K)."""
     if takes_panels(qw, isa):
         return panel_arrays(qw)
     if isinstance(qw, StackedWeight):
@@ -289,11 +303,17 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight | StackedWeight, isa: IsaToken,
     xq, xd, xs = (panel_kernels.quantize_activations_parallel if parallel_rows else
                   kernels.quantize_activations)(x.numpy())
     on = out.numpy()
-    if isinstance(qw, StackedWeight) or qw.fmt in GGML_CODES:
-        (ggml_kernels.gemv_ggml_serial if serial else ggml_kernels.gemv_ggml)(isa, xq, xd, xs, *weight_arrays(qw), on)
+    if takes_panels(qw, isa) and qw.fmt == "q4_k":
+        (kpanel_kernels.gemv_kpanel_serial if serial else kpanel_kernels.gemv_kpanel)(isa, xq, xd, xs,
+                                                                                    *panel_arrays(qw)[:5], on)
+    elif takes_panels(qw, isa) and qw.fmt == "q6_k":
+        (q6panel_kernels.gemv_q6panel_serial if serial else q6panel_kernels.gemv_q6panel)(isa, xq, xd,
+                                                                                        *panel_arrays(qw)[:3], on)
     elif takes_panels(qw, isa):
         (panel_kernels.gemv_panel_serial if serial else panel_kernels.gemv_panel)(isa, xq, xd, xs, *panel_arrays(qw)[:3],
                                                                                 on)
+    elif isinstance(qw, StackedWeight) or qw.fmt in GGML_CODES:
+        (ggml_kernels.gemv_ggml_serial if serial else ggml_kernels.gemv_ggml)(isa, xq, xd, xs, *weight_arrays(qw), on)
     elif qw.fmt == "int8":
         q, scales, group = weight_arrays(qw)
         (kernels.gemv_int8_serial if serial else kernels.gemv_int8)(isa, xq, xd, q, scales, group, on)

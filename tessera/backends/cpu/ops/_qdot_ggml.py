@@ -26,7 +26,9 @@ Q5_0 / Q5_1 have the 256-bit rows only. Measured on Zen 4 (2026-12-04, 5632 x 20
 ``python benchmarks/qgemv_variants.py --formats q4_k,q6_k``): see ``docs/kernels/quant.md``.
 
 Rows are computed one weight row at a time with every activation row before the next (the weight row stays in L1;
-the 512-bit K-quant rows take four activation rows at a time, each chunk of codes unpacked once for the four);
+in the parallel GEMV the 512-bit K-quant rows take four activation rows at a time, each chunk of codes unpacked
+once for the four: :data:`QUAD_PARALLEL`); under ``vnni512`` a Q4_K weight of one format runs the row panels of
+:mod:`._qdot_kpanel` instead, and these rows serve Q5_K, Q6_K, Q5_0 / Q5_1 and two-format weights;
 a weight given as two row blocks in different formats (a Q4_K_M file's q|k|v, whose v is Q6_K) is one call:
 :func:`ggml_rows` takes both blocks and the row where the second starts.
 """
@@ -54,6 +56,13 @@ from tessera.backends.cpu.ops._int8_simd512 import (
 from tessera.backends.cpu.ops._qdot_kernels import BLOCK, ROWS
 from tessera.backends.cpu.ops._qdot_wide import PREFETCH_BYTES
 
+#: whether the 512-bit K-quant rows take four activation rows at a time (``quad`` of :func:`ggml_rows`) in the
+#: parallel GEMV and in single-threaded code. The same source compiles very differently in the two: 2048 x 2048 and
+#: 11264 x 2048 Q4_K at M = 4 and 8 on Zen 5 (2026-12-05), the four-row form took 0.67-0.69x the time of single
+#: rows inside the parallel GEMV, and 2.0-2.1x inside the serial GEMV (0.94 against 0.47 ms at M = 8, 2048 x 2048),
+#: which is also how the fused decode layer's call compiles. Why LLVM's output differs was not found.
+QUAD_PARALLEL = True
+QUAD_SERIAL = False
 #: the kernels' format codes (:data:`._ggml_kernels.FMT_CODES`)
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (FMT_CODES[f] for f in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k"))
 
@@ -306,13 +315,13 @@ def _q5_row(isa, xq, xd, xs, m, w, n, has_min):  # pragma: no cover - compiled
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def _block_rows(isa, xq, xd, xs, w, fmt, out, lo, hi, at):  # pragma: no cover - compiled
+def _block_rows(isa, xq, xd, xs, w, fmt, out, lo, hi, at, quad):  # pragma: no cover - compiled
     """``out[:, at + i]`` for rows ``lo <= i < hi`` of one block of rows ``w`` in format ``fmt``. The format is
     chosen once here, outside the row loops (see ``_qdot_kernels._offset`` for why branches inside cost)."""
     m_rows = xq.shape[0]
     if fmt == Q4_K or fmt == Q5_K:
         five = fmt == Q5_K
-        quads = m_rows // 4 * 4 if is_wide(isa) else 0  # four x rows share each chunk's codes (512-bit rows)
+        quads = m_rows // 4 * 4 if quad and is_wide(isa) else 0  # four x rows share each chunk's codes
         for n in range(lo, hi):
             for m in range(0, quads, 4):
                 _k_x4_wide(isa, xq, xd, xs, m, w, n, five, out, at + n)
@@ -330,14 +339,15 @@ def _block_rows(isa, xq, xd, xs, w, fmt, out, lo, hi, at):  # pragma: no cover -
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
-def ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, lo, hi):  # pragma: no cover - compiled
+def ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, lo, hi, quad):  # pragma: no cover - compiled
     """Columns ``lo .. hi - 1`` of ``out [M, N]`` for a weight whose rows ``< split`` are ``w0`` (uint8
     ``[split, row bytes]``, format ``fmt0``) and the rest ``w1`` (format ``fmt1``; pass ``w0`` and ``split = N`` for a
-    weight of one format). ``xq, xd, xs`` from :func:`._qdot_kernels.quantize_rows`."""
+    weight of one format). ``xq, xd, xs`` from :func:`._qdot_kernels.quantize_rows`. ``quad``: the four-row form of
+    the 512-bit K-quant rows (:data:`QUAD_PARALLEL`; pass a compile-time constant)."""
     if lo < split:
-        _block_rows(isa, xq, xd, xs, w0, fmt0, out, lo, min(hi, split), 0)
+        _block_rows(isa, xq, xd, xs, w0, fmt0, out, lo, min(hi, split), 0, quad)
     if hi > split:
-        _block_rows(isa, xq, xd, xs, w1, fmt1, out, max(lo, split) - split, hi - split, split)
+        _block_rows(isa, xq, xd, xs, w1, fmt1, out, max(lo, split) - split, hi - split, split, quad)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -345,10 +355,11 @@ def gemv_ggml(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out):  # pragma: no co
     """:func:`ggml_rows` over all ``out.shape[1]`` rows, split over threads in blocks of :data:`ROWS`."""
     n_rows = out.shape[1]
     for blk in prange((n_rows + ROWS - 1) // ROWS):
-        ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS))
+        ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, blk * ROWS, min(n_rows, (blk + 1) * ROWS),
+                  QUAD_PARALLEL)
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
 def gemv_ggml_serial(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out):  # pragma: no cover - compiled
     """:func:`gemv_ggml` on the calling thread."""
-    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, 0, out.shape[1])
+    ggml_rows(isa, xq, xd, xs, w0, w1, fmt0, fmt1, split, out, 0, out.shape[1], QUAD_SERIAL)
