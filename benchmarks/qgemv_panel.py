@@ -1,11 +1,14 @@
-"""Row-panel int4 kernels (``backends/cpu/ops/_qdot_panel.py``) against the row kernels and the bf16 tiles they replace.
+"""Row-panel kernels (``backends/cpu/ops/_qdot_panel.py``, ``_qdot_kpanel.py``, ``_qdot_q6panel.py``) against the
+row kernels and the bf16 tiles they replace.
 
-For each shape (SmolLM2-135M's and TinyLlama-1.1B's projections, group-32 int4 with float16 scales as a GGUF Q4_0
-holds them) and each number of activation rows M, in one process, rounds alternating:
+For each shape (SmolLM2-135M's and TinyLlama-1.1B's projections) and each number of activation rows M, in one
+process, rounds alternating, for ``--format int4`` (group 32 with float16 scales, as a GGUF Q4_0 holds them) or
+``q4_k`` / ``q6_k`` (random blocks, ggml's own bytes):
 
-- ``rows``: the ``vnni512`` row kernels (``_qdot_kernels.gemv_int4``), what ran every M up to the GEMV row limit;
+- ``rows``: the ``vnni512`` row kernels (``_qdot_kernels.gemv_int4``; ``_qdot_ggml.gemv_ggml`` for the K-quants),
+  what ran every M up to the GEMV row limit;
 - ``panel``: the panel kernels on the repacked weight;
-- ``bf16 tiles`` (M above the row limit only): ``ops/quant._gemm_tiled``, what ran above it.
+- ``bf16 tiles`` (M above the row limit only): ``ops/quant._gemm_tiled`` (``_ggml_tiled``), what ran above it.
 
 Timings include the activation's quantization. ``--dram`` rotates copies of each weight over twice the last-level
 cache, so every call streams its weight from memory. Needs a CPU the ``vnni512`` variant runs on.
@@ -14,6 +17,7 @@ Usage::
 
     python benchmarks/qgemv_panel.py                         # ~1 minute on 2 cores
     python benchmarks/qgemv_panel.py --dram --rows 1,8 --json out.json
+    python benchmarks/qgemv_panel.py --format q4_k --shapes 1b --json out.json
 """
 
 from __future__ import annotations
@@ -32,21 +36,39 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.backends.cpu import variants
-from tessera.backends.cpu.ops import _qdot, _qdot_kernels, _qdot_panel
+from tessera.backends.cpu.ops import _qdot, _qdot_ggml, _qdot_kernels, _qdot_kpanel, _qdot_panel, _qdot_q6panel
 from tessera.backends.cpu.ops import quant as cpu_quant
 from tessera.backends.cpu.ops._int8_simd import VNNI512
 from tessera.bench.harness import copies_for
 from tessera.bench.machine import fingerprint
 from tessera.hw import isa
 from tessera.kernels import quant
+from tessera.tuning.random_weights import random_ggml_weight
 
 SHAPES = [("smollm2 gate_up", 3072, 576), ("smollm2 down", 576, 1536), ("smollm2 qkv", 960, 576),
           ("1b q/o", 2048, 2048), ("1b gate", 5632, 2048), ("1b down", 2048, 5632)]
 
 
-def _weight(n: int, k: int, gen: torch.Generator) -> quant.QuantizedWeight:
+def _weight(fmt: str, n: int, k: int, gen: torch.Generator) -> quant.QuantizedWeight:
+    if fmt != "int4":
+        return random_ggml_weight(fmt, n, k, gen)
     qw = quant.quantize(torch.randn(n, k, generator=gen), "int4", 32)
     return quant.QuantizedWeight("int4", qw.shape, 32, qw.data, qw.scales.half(), qw.zeros)
+
+
+def _copy(w: quant.QuantizedWeight) -> quant.QuantizedWeight:
+    clone = lambda t: None if t is None else t.clone()
+    return quant.QuantizedWeight(w.fmt, w.shape, w.group_size, w.data.clone(), clone(w.scales), clone(w.zeros),
+                                 clone(w.mins))
+
+
+def _kernels(fmt: str):
+    """(the rows GEMV, the panel GEMV, the de-quantized tiles) for ``fmt``."""
+    if fmt == "q4_k":
+        return _qdot_ggml.gemv_ggml, _qdot_kpanel.gemv_kpanel, cpu_quant._ggml_tiled
+    if fmt == "q6_k":
+        return _qdot_ggml.gemv_ggml, _qdot_q6panel.gemv_q6panel, cpu_quant._ggml_tiled
+    return _qdot_kernels.gemv_int4, _qdot_panel.gemv_panel, cpu_quant._gemm_tiled
 
 
 def _time(fns: dict, rounds: int) -> dict[str, float]:
@@ -62,32 +84,35 @@ def _time(fns: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def run(rows: list[int], dram: bool, rounds: int) -> list[dict]:
+def run(fmt: str, shapes: list[tuple[str, int, int]], rows: list[int], dram: bool, rounds: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     results = []
-    for label, n, k in SHAPES:
-        base = _weight(n, k, gen)
+    row_gemv, panel_gemv, tiles = _kernels(fmt)
+    for label, n, k in shapes:
+        base = _weight(fmt, n, k, gen)
         count = copies_for(base.nbytes) if dram else 1
-        weights = [base] + [quant.QuantizedWeight("int4", base.shape, 32, base.data.clone(), base.scales.clone(),
-                                                   base.zeros.clone()) for _ in range(count - 1)]
+        weights = [base] + [_copy(base) for _ in range(count - 1)]
         row_args = [_qdot.weight_arrays(w) for w in weights]
-        panel_args = [_qdot.panel_arrays(w)[:3] for w in weights]
-        limit = cpu_quant.gemv_max_m_default("int4")
+        panel_args = [_qdot.panel_arrays(w)[:-1] for w in weights]
+        limit = cpu_quant.GGML_GEMV_MAX_M if fmt != "int4" else cpu_quant.gemv_max_m_default("int4")
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             out = np.empty((m, n), np.float32)
 
             def row_kernels(i, x=x, out=out):
                 xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
-                _qdot_kernels.gemv_int4(VNNI512, xq, xd, xs, *row_args[i % count], out)
+                row_gemv(VNNI512, xq, xd, xs, *row_args[i % count], out)
 
             def panels(i, x=x, out=out):
                 xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
-                _qdot_panel.gemv_panel(VNNI512, xq, xd, xs, *panel_args[i % count], out)
+                if fmt == "q6_k":  # its offsets come from xq itself
+                    panel_gemv(VNNI512, xq, xd, *panel_args[i % count], out)
+                else:
+                    panel_gemv(VNNI512, xq, xd, xs, *panel_args[i % count], out)
 
             fns = {"rows": row_kernels, "panel": panels}
             if m > limit:
-                fns["bf16 tiles"] = lambda i, x=x: cpu_quant._gemm_tiled(x, weights[i % count])
+                fns["bf16 tiles"] = lambda i, x=x: tiles(x, weights[i % count])
             times = _time(fns, rounds if m * n * k < 1 << 30 else max(3, rounds // 4))
             results.append({"shape": label, "n": n, "k": k, "m": m, "copies": count,
                             "ms": {name: t * 1e3 for name, t in times.items()},
@@ -101,14 +126,18 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,32,128,512", help="activation rows M, comma-separated")
     parser.add_argument("--dram", action="store_true", help="rotate weight copies over twice the last-level cache")
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--format", default="int4", choices=["int4", "q4_k", "q6_k"])
+    parser.add_argument("--shapes", default="all", choices=["all", "smollm2", "1b"], help="which models' shapes")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     missing = isa.missing(next(v for v in variants.FAMILIES["qgemv"].variants if v.name == "vnni512").requires)
     if missing:
         raise SystemExit(f"the panel kernels need the vnni512 qgemv variant; this CPU lacks {missing}")
     rows = [int(v) for v in args.rows.split(",")]
-    results = run(rows, args.dram, args.rounds)
-    table = Table(title=f"int4 g32 (f16 scales), {numba.get_num_threads()} threads, "
+    shapes = [s for s in SHAPES if args.shapes == "all" or s[0].startswith(args.shapes)]
+    results = run(args.format, shapes, rows, args.dram, args.rounds)
+    what = "int4 g32 (f16 scales)" if args.format == "int4" else args.format
+    table = Table(title=f"{what}, {numba.get_num_threads()} threads, "
                         f"{'DRAM' if args.dram else 'in cache'}: ms (GMAC/s), panel speed-up")
     for col in ("shape", "M", "rows", "panel", "bf16 tiles", "panel vs rows", "panel vs tiles"):
         table.add_column(col, justify="left" if col == "shape" else "right")
@@ -120,7 +149,7 @@ def main() -> None:
     Console().print(table)
     if args.json:
         record = {"benchmark": "qgemv_panel", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": fingerprint(), "threads": numba.get_num_threads(), "dram": args.dram,
+                  "format": args.format, "machine": fingerprint(), "threads": numba.get_num_threads(), "dram": args.dram,
                   "results": results}
         args.json.write_text(json.dumps(record, indent=1))
 

@@ -9,7 +9,7 @@ bytes are laid out for them (:func:`repack_q4k`):
 - the sixteen rows' ``sc_j`` and ``m_j`` of each sub-block as bytes, ``[panel, sub-block, 16]``;
 - the sixteen rows' ``d`` and ``-dmin`` of each 256-value block as float16 bits, ``[panel, block, 16]``.
 
-So a panel block costs the file's bytes plus 1/16 (0.578 bytes per weight against Q4_K's 0.5625): the scales stay
+So a panel block costs the file's bytes plus 1/36 (148 bytes per row and 256 weights against 144): the scales stay
 six-bit integers in memory, and the kernel forms ``d * sc_j`` and ``-dmin * m_j`` per sub-block, once for the
 sixteen rows and shared by the activation rows of the four-row form. Both products are exact in float32 (an 11-bit
 mantissa times a 6-bit integer), so the sums are those of the group-32 kernels with float32 scales: exact integer

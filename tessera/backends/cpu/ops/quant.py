@@ -103,10 +103,18 @@ def _ggml_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         if isa is not None and (m <= GGML_GEMV_MAX_M or qdot.takes_panels(qw, isa)):
             serial = m * n * qw.shape[1] < tuned("gemv_serial_work", None, SERIAL_WORK)
             return qdot.qmatmul(x, qw, isa, serial)
-    out = torch.empty(m, n, dtype=torch.float32)
     if m <= GGML_GEMV_MAX_M:
+        out = torch.empty(m, n, dtype=torch.float32)
         ggml.gemv(x.numpy(), qw.data.numpy(), ggml.FMT_CODES[qw.fmt], out.numpy())
         return out
+    return _ggml_tiled(x, qw)
+
+
+def _ggml_tiled(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """float32 ``x @ W.T`` for a ggml block format through de-quantized tiles of :data:`TILE_N` rows (see
+    :func:`_ggml_matmul`)."""
+    m, n = x.shape[0], qw.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
     tile_n = tuned("quant_tile_n", None, TILE_N)
     low = variants.choose("qgemm").name != "fp32"  # as in _gemm_tiled: bf16 tiles through torch's bf16 GEMM
     xb = x.to(torch.bfloat16) if low else None
