@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.backends.cpu.ops import _qdot, _qdot_kernels, _qdot_kpanel, _qdot_panel, _qdot_q6panel
+from tessera.backends.cpu.ops import (
+    _qdot, _qdot_kernels, _qdot_kpanel, _qdot_panel, _qdot_q6panel, _qdot_q8panel,
+)
 from tessera.backends.cpu.ops._int8_simd import VNNI512
 from tessera.backends.reference.ops.quant import qmatmul_f64
 from tessera.kernels import quant as Q
@@ -97,13 +99,13 @@ def test_rows_do_not_depend_on_their_neighbours(gen: torch.Generator) -> None:
 
 def test_qmatmul_takes_panels_at_every_m_under_vnni512(monkeypatch, gen: torch.Generator) -> None:
     """Group-32 int4 under ``vnni512`` runs the panels for decode rows and prefill chunks alike (no bf16 tiles):
-    int8-activation accuracy at M = 64; other groups and variants keep their kernels."""
+    int8-activation accuracy at M = 64; other groups (int8 per channel too) and variants keep their kernels."""
     skip_unless_runs("qgemv", "vnni512")
     monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=vnni512")
     qw = _weight("int4", 40, 128, True, gen)
     assert _qdot.takes_panels(qw, VNNI512) and not _qdot.takes_panels(qw, None)
     assert not _qdot.takes_panels(Q.quantize(torch.randn(8, 128, generator=gen), "int4", 64), VNNI512)
-    assert not _qdot.takes_panels(Q.quantize(torch.randn(8, 128, generator=gen), "int8", 32), VNNI512)
+    assert not _qdot.takes_panels(Q.quantize(torch.randn(8, 128, generator=gen), "int8", 128), VNNI512)
     x = torch.randn(64, 128, generator=gen)
     assert_close_to_oracle(Q.qmatmul(x, qw, backend="cpu"), qmatmul_f64(_qdot.quantized_activation(x), qw),
                            torch.float32, "M=64 through qmatmul", reduction=True)
@@ -276,6 +278,63 @@ def test_q6k_panel_kernels_write_every_output_and_match_the_oracle(monkeypatch, 
     x = torch.randn(40, 256, generator=gen)
     assert_close_to_oracle(Q.qmatmul(x, qw, backend="cpu"), qmatmul_f64(_qdot.quantized_activation(x), qw),
                            torch.float32, "M=40 through qmatmul", reduction=True)
+    together = _qdot.qmatmul(x[:9], qw, VNNI512, True)
+    for m in range(9):
+        assert torch.equal(together[m], _qdot.qmatmul(x[m:m + 1], qw, VNNI512, True)[0]), f"row {m}"
+
+
+# --- group-32 int8 (Q8_0) in its row-panel layout (_qdot_q8panel) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_int8_repack_biases_the_codes_four_bytes_at_a_time(n: int, gen: torch.Generator) -> None:
+    """Panel p, block b, chunk c, lane j holds codes 4c .. 4c + 3 of row 16p + j's block b plus 128 (every int8,
+    -128 included); scales in the same lane order; rows past N are zero."""
+    q = torch.randint(-128, 128, (n, 96), dtype=torch.int8, generator=gen).numpy()
+    scales = torch.rand(n, 3, generator=gen).half().view(torch.int16).numpy()
+    codes, sc = _qdot_q8panel.repack_int8_g32(q, scales)
+    p_count = (n + 15) // 16
+    assert codes.shape == (p_count, 3 * 512) and sc.shape == (p_count, 3 * 16) and sc.dtype == np.int16
+    rows = np.zeros((p_count * 16, 3, 8, 4), dtype=np.int64)
+    rows[:n] = q.reshape(n, 3, 8, 4).astype(np.int64) + 128
+    want = rows.reshape(p_count, 16, 3, 8, 4).transpose(0, 2, 3, 1, 4)  # panel, block, chunk, lane, byte
+    got = codes.reshape(p_count, 3, 8, 16, 4).astype(np.int64)
+    assert np.array_equal(got, want)  # the padding rows of `rows` are zero, as the panels' must be
+    lanes = sc.reshape(p_count, 3, 16).transpose(0, 2, 1).reshape(p_count * 16, 3)
+    assert np.array_equal(lanes[:n], scales) and not lanes[n:].any()
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_int8_panel_kernels_write_every_output_and_match_the_oracle(half: bool, monkeypatch,
+                                                                    gen: torch.Generator) -> None:
+    """NaN-poisoned outputs, serial and parallel, a partial last panel, 1 to 64 blocks, activation rows in blocks of
+    four and alone, float16 and float32 scales, against the float64 oracle; a row range ending inside a panel writes
+    only its rows; ``qmatmul`` takes the panels at M = 64 and a token's row is the same alone and in a batch."""
+    skip_unless_runs("qgemv", "vnni512")
+    for n, k in ((37, 32), (16, 96), (5, 2048)):
+        qw = _weight("int8", n, k, half, gen)
+        codes, sc, n_rows = _qdot.panel_arrays(qw)
+        assert n_rows == n and codes.dtype == np.uint8
+        for m in (1, 3, 4, 7):
+            x = torch.randn(m, k, generator=gen)
+            want = qmatmul_f64(_qdot.quantized_activation(x), qw)
+            xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+            for kernel in (_qdot_q8panel.gemv_q8panel_serial, _qdot_q8panel.gemv_q8panel):
+                got = np.full((m, n), np.nan, np.float32)
+                kernel(VNNI512, xq, xd, xs, codes, sc, got)
+                assert_close_to_oracle(torch.from_numpy(got), want, torch.float32,
+                                       f"int8 half={half} N={n} K={k} M={m} {kernel.__name__}", reduction=True)
+    qw = _weight("int8", 53, 64, half, gen)
+    x = torch.randn(5, 64, generator=gen)
+    xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+    got = np.full((5, 53), np.nan, np.float32)
+    _qdot_q8panel.q8panel_row_range(VNNI512, xq, xd, xs, *_qdot.panel_arrays(qw)[:2], got, 16, 41)
+    assert not np.isnan(got[:, 16:41]).any() and np.isnan(got[:, :16]).all() and np.isnan(got[:, 41:]).all()
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "qgemv=vnni512")
+    assert _qdot.takes_panels(qw, VNNI512)
+    x = torch.randn(64, 64, generator=gen)
+    assert_close_to_oracle(Q.qmatmul(x, qw, backend="cpu"), qmatmul_f64(_qdot.quantized_activation(x), qw),
+                           torch.float32, "M=64 through qmatmul", reduction=True)
     together = _qdot.qmatmul(x[:9], qw, VNNI512, True)
     for m in range(9):
         assert torch.equal(together[m], _qdot.qmatmul(x[m:m + 1], qw, VNNI512, True)[0]), f"row {m}"

@@ -58,6 +58,7 @@ from tessera.backends.cpu.ops._qdot_ggml import ggml_rows
 from tessera.backends.cpu.ops._qdot_kpanel import kpanel_row_range
 from tessera.backends.cpu.ops._qdot_panel import panel_row_range
 from tessera.backends.cpu.ops._qdot_q6panel import offsets16, q6panel_row_range
+from tessera.backends.cpu.ops._qdot_q8panel import q8panel_row_range
 from tessera.backends.cpu.ops.activations import CHUNK as ACT_CHUNK
 from tessera.backends.cpu.ops.activations import _act_and_mul_item
 from tessera.backends.cpu.ops.norms import _rms_norm_row
@@ -184,7 +185,7 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], has_min, g)`` for int4 / int4_min or
     ``(q int8 [N, K], scales, g)`` for int8, ``(codes, scales, offsets, N)`` for group-32 int4 in the row-panel
     layout (:mod:`tessera.backends.cpu.ops._qdot_panel`), ``(codes, sc, mn, d, dmin, N)`` for Q4_K and
-    ``(codes, sc int8, d, N)`` for Q6_K in theirs (:mod:`tessera.backends.cpu.ops._qdot_kpanel`,
+    ``(codes, sc int8, d, N)`` for Q6_K and ``(codes uint8, scales, N)`` for group-32 int8 in theirs (:mod:`tessera.backends.cpu.ops._qdot_kpanel`,
     :mod:`tessera.backends.cpu.ops._qdot_q6panel`), ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats
     (two row blocks, :func:`tessera.backends.cpu.ops._qdot_ggml.ggml_rows`).
     ``acc`` float32 ``[T, N]`` holds the GEMV result before
@@ -201,6 +202,12 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
             _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return ggml_int8_activation_rows
+    if kind == 1 and len(w.types) == 3 and w.types[0].dtype == types.uint8:  # int8 panels: biased uint8 codes
+        def q8_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
+            codes, scales, n = w
+            q8panel_row_range(isa, inp[0], inp[1], inp[2], codes, scales, acc, lo, hi)
+            _finish_rows(acc, b, out, lo, hi)
+        return q8_panel_int8_activation_rows
     if kind == 1 and len(w.types) == 4 and w.types[1].dtype == types.int8:  # Q6_K panels: int8 scales
         def q6k_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             codes, sc, d, n = w
@@ -497,6 +504,8 @@ def _n_out_overload(w):
         return lambda w: w[3]
     if len(w.types) == 6:
         return lambda w: w[5]
+    if len(w.types) == 3 and w.types[0].dtype == types.uint8:  # int8 panels
+        return lambda w: w[2]
     return lambda w: w[0].shape[0]
 
 

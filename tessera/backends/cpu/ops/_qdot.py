@@ -21,6 +21,7 @@ from tessera.backends.cpu.ops import _qdot_kernels as kernels
 from tessera.backends.cpu.ops import _qdot_kpanel as kpanel_kernels
 from tessera.backends.cpu.ops import _qdot_panel as panel_kernels
 from tessera.backends.cpu.ops import _qdot_q6panel as q6panel_kernels
+from tessera.backends.cpu.ops import _qdot_q8panel as q8panel_kernels
 from tessera.backends.cpu.ops._ggml_kernels import FMT_CODES as GGML_CODES
 from tessera.backends.cpu.ops._int8_simd import AVX2, VNNI, VNNI512, IsaToken
 from tessera.backends.cpu.ops._narrow import group_view
@@ -228,11 +229,11 @@ def unsupported(qw: QuantizedWeight | StackedWeight) -> str | None:
 
 def takes_panels(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None) -> bool:
     """Whether ``qw`` runs the row-panel kernels at every number of activation rows: group-32 int4 / int4_min (GGUF
-    Q4_0 / Q4_1, :mod:`._qdot_panel`) and ggml's Q4_K and Q6_K (:mod:`._qdot_kpanel`, :mod:`._qdot_q6panel`), under
-    the ``vnni512`` token."""
+    Q4_0 / Q4_1, :mod:`._qdot_panel`), group-32 int8 (Q8_0, :mod:`._qdot_q8panel`) and ggml's Q4_K and Q6_K
+    (:mod:`._qdot_kpanel`, :mod:`._qdot_q6panel`), under the ``vnni512`` token."""
     if isa is not VNNI512 or not isinstance(qw, QuantizedWeight):
         return False
-    return qw.fmt in ("q4_k", "q6_k") or (qw.fmt in ("int4", "int4_min") and qw.group_size == kernels.BLOCK)
+    return qw.fmt in ("q4_k", "q6_k") or (qw.fmt in ("int4", "int4_min", "int8") and qw.group_size == kernels.BLOCK)
 
 
 #: activation rows from which a parallel call quantizes them over its threads too (a prefill chunk); below, the
@@ -248,7 +249,8 @@ def panel_arrays(qw: QuantizedWeight) -> tuple:
     """``qw`` in its row-panel layout, repacked on its first use and kept while its arrays live: ``(codes, scales,
     offsets, N)`` for group-32 int4 (:func:`._qdot_panel.repack_int4_g32`), ``(codes, sc, mn, d, dmin, N)`` for
     Q4_K (:func:`._qdot_kpanel.repack_q4k`), ``(codes, sc, d, N)`` for Q6_K (:func:`._qdot_q6panel.repack_q6k`; its
-    int8 ``sc`` tells it from the group-32 tuple).
+    int8 ``sc`` tells it from the group-32 tuple), ``(codes, scales, N)`` for group-32 int8
+    (:func:`._qdot_q8panel.repack_int8_g32`; its uint8 codes tell it from the int8 rows' ``(q, scales, group)``).
 
     The repacked copy is held beside the weight's own arrays, which the other readers (de-quantization, the
     embedding rows, tensor-parallel sharding, export) still take, so a packed weight that takes the panels costs
@@ -256,6 +258,8 @@ def panel_arrays(qw: QuantizedWeight) -> tuple:
     over the weight's bytes (not timed on its own)."""
     if qw.fmt in ("q4_k", "q6_k"):
         parts = (qw.data,)
+    elif qw.fmt == "int8":
+        parts = (qw.data, qw.scales)
     else:
         parts = (qw.data, qw.scales, qw.mins if qw.fmt == "int4_min" else qw.zeros)
     key = tuple(map(id, parts))  # weights made by dataclasses.replace may share some of these
@@ -266,6 +270,8 @@ def panel_arrays(qw: QuantizedWeight) -> tuple:
         arrays = (*kpanel_kernels.repack_q4k(qw.data.numpy()), qw.shape[0])
     elif qw.fmt == "q6_k":
         arrays = (*q6panel_kernels.repack_q6k(qw.data.numpy()), qw.shape[0])
+    elif qw.fmt == "int8":
+        arrays = (*q8panel_kernels.repack_int8_g32(qw.data.numpy(), group_view(qw.scales)), qw.shape[0])
     else:
         arrays = (*panel_kernels.repack_int4_g32(qw.data.numpy(), group_view(parts[1]), group_view(parts[2])),
                   qw.shape[0])
@@ -279,7 +285,8 @@ def weight_arrays(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None = No
     ``(packed, scales, offsets, has_min, group)`` for int4 / int4_min, and ``(w0, w1, fmt0, fmt1, split)`` for ggml's
     block formats (:func:`._qdot_ggml.ggml_rows`; one format: ``w1`` empty and ``split = N``). Given the ISA token
     the weights will run under, a weight that :func:`takes_panels` is in its panel layout (:func:`panel_arrays`:
-    ``(codes, scales, offsets, N)``, ``(codes, sc, mn, d, dmin, N)`` for Q4_K, ``(codes, sc, d, N)`` for Q6_K)."""
+    ``(codes, scales, offsets, N)``, ``(codes, sc, mn, d, dmin, N)`` for Q4_K, ``(codes, sc, d, N)`` for Q6_K,
+    ``(codes, scales, N)`` for int8)."""
     if takes_panels(qw, isa):
         return panel_arrays(qw)
     if isinstance(qw, StackedWeight):
@@ -306,6 +313,9 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight | StackedWeight, isa: IsaToken,
     if takes_panels(qw, isa) and qw.fmt == "q4_k":
         (kpanel_kernels.gemv_kpanel_serial if serial else kpanel_kernels.gemv_kpanel)(isa, xq, xd, xs,
                                                                                     *panel_arrays(qw)[:5], on)
+    elif takes_panels(qw, isa) and qw.fmt == "int8":
+        (q8panel_kernels.gemv_q8panel_serial if serial else q8panel_kernels.gemv_q8panel)(isa, xq, xd, xs,
+                                                                                        *panel_arrays(qw)[:2], on)
     elif takes_panels(qw, isa) and qw.fmt == "q6_k":
         (q6panel_kernels.gemv_q6panel_serial if serial else q6panel_kernels.gemv_q6panel)(isa, xq, xd,
                                                                                         *panel_arrays(qw)[:3], on)
