@@ -71,6 +71,28 @@ def test_panel_kernels_write_every_output_and_match_the_oracle(fmt: str, half: b
                                        f"{fmt} half={half} N={n} K={k} M={m} {kernel.__name__}", reduction=True)
 
 
+def test_q4_0_panels_keep_no_zero_points(gen: torch.Generator) -> None:
+    """Zero points all 8 (every GGUF Q4_0 block): the panel copy drops them (the file's bytes) and the kernels use
+    the constant, serial and parallel, against the oracle; any other zero point keeps the array."""
+    skip_unless_runs("qgemv", "vnni512")
+    qw = _weight("int4", 37, 96, True, gen)
+    q4_0 = dataclasses.replace(qw, zeros=torch.full_like(qw.zeros, 8))
+    of = _qdot.panel_arrays(q4_0)[2]
+    assert of.shape == (3, 0) and of.flags.c_contiguous
+    other = dataclasses.replace(qw, zeros=torch.randint(0, 16, qw.zeros.shape, dtype=qw.zeros.dtype, generator=gen))
+    assert _qdot.panel_arrays(other)[2].shape == (3, 3 * 16)
+    for m in (1, 5):
+        x = torch.randn(m, 96, generator=gen)
+        xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
+        for w in (q4_0, other):
+            want = qmatmul_f64(_qdot.quantized_activation(x), w)
+            for kernel in (_qdot_panel.gemv_panel_serial, _qdot_panel.gemv_panel):
+                got = np.full((m, 37), np.nan, np.float32)
+                kernel(VNNI512, xq, xd, xs, *_qdot.panel_arrays(w)[:3], got)
+                assert_close_to_oracle(torch.from_numpy(got), want, torch.float32, f"M={m} {kernel.__name__}",
+                                       reduction=True)
+
+
 def test_a_row_range_writes_only_its_rows(gen: torch.Generator) -> None:
     """``panel_row_range(lo, hi)`` with ``hi`` inside a panel (the fused layer's chunks) leaves every other output
     untouched."""

@@ -247,7 +247,8 @@ _PANELS: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple]] = {}
 
 def panel_arrays(qw: QuantizedWeight) -> tuple:
     """``qw`` in its row-panel layout, repacked on its first use and kept while its arrays live: ``(codes, scales,
-    offsets, N)`` for group-32 int4 (:func:`._qdot_panel.repack_int4_g32`), ``(codes, sc, mn, d, dmin, N)`` for
+    offsets, N)`` for group-32 int4 (:func:`._qdot_panel.repack_int4_g32`; ``offsets`` without columns when every
+    zero point is 8, as in GGUF Q4_0), ``(codes, sc, mn, d, dmin, N)`` for
     Q4_K (:func:`._qdot_kpanel.repack_q4k`), ``(codes, sc, d, N)`` for Q6_K (:func:`._qdot_q6panel.repack_q6k`; its
     int8 ``sc`` tells it from the group-32 tuple), ``(codes, scales, N)`` for group-32 int8
     (:func:`._qdot_q8panel.repack_int8_g32`; its uint8 codes tell it from the int8 rows' ``(q, scales, group)``).
@@ -273,8 +274,11 @@ def panel_arrays(qw: QuantizedWeight) -> tuple:
     elif qw.fmt == "int8":
         arrays = (*q8panel_kernels.repack_int8_g32(qw.data.numpy(), group_view(qw.scales)), qw.shape[0])
     else:
-        arrays = (*panel_kernels.repack_int4_g32(qw.data.numpy(), group_view(parts[1]), group_view(parts[2])),
-                  qw.shape[0])
+        codes, scales, offsets = panel_kernels.repack_int4_g32(qw.data.numpy(), group_view(parts[1]),
+                                                               group_view(parts[2]))
+        if qw.fmt == "int4" and bool((qw.zeros == panel_kernels.Q4_0_ZERO).all()):  # Q4_0: no zero-point stream
+            offsets = offsets[:, :0]
+        arrays = (codes, scales, np.ascontiguousarray(offsets), qw.shape[0])
     drop = lambda _, key=key: _PANELS.pop(key, None)
     _PANELS[key] = (tuple(weakref.ref(part, drop) for part in parts), arrays)
     return arrays

@@ -26,6 +26,7 @@ from numba import njit, prange
 from tessera.backends.cpu.numba_math import FASTMATH
 from tessera.backends.cpu.ops._int8_simd import prefetch
 from tessera.backends.cpu.ops._qdot_kernels import quantize_row
+from tessera.backends.cpu.ops._ggml_simd512 import mul_f32x16
 from tessera.backends.cpu.ops._int8_simd512 import add_f32x16, zero_f32x16
 from tessera.backends.cpu.ops._panel_simd512 import (
     add_i32x16, dot_bcast, fma_bcast, fma_i32_bcast, lane_f32x16, load_scales16, offsets16, panel_high, panel_low,
@@ -35,6 +36,9 @@ from tessera.backends.cpu.ops._panel_simd512 import (
 PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
 BLOCK = 32
 PANEL_BLOCK_BYTES = PANEL * BLOCK // 2
+#: the zero point of every GGUF Q4_0 block: a panel copy of such a weight keeps no zero points (one byte per 32
+#: weights, 1/18 of its stream) and the kernels use the constant
+Q4_0_ZERO = 8
 #: bytes ahead of the block being dotted at which the panel stream is prefetched (a panel is one contiguous stream)
 PREFETCH_BYTES = 2048
 #: activation rows that meet every panel of a work item before the next rows do: a prefill chunk's int8 rows
@@ -85,6 +89,16 @@ def _block_dot(isa, l0, l1, l2, l3, h0, h1, h2, h3, xq, x):  # pragma: no cover 
 
 
 @njit(inline="always", fastmath=FASTMATH, error_model="numpy")
+def _offsets(of, index, s):  # pragma: no cover - compiled
+    """The sixteen rows' additive term per unit of activation for the block at ``index``: from their zero points or
+    mins (:func:`._panel_simd512.offsets16`), or ``-8 * s`` when ``of`` has no columns (GGUF Q4_0, whose zero point
+    is always 8: :data:`Q4_0_ZERO`; the branch is the same for the whole call)."""
+    if of.shape[1] == 0:
+        return mul_f32x16(s, np.float32(-Q4_0_ZERO))
+    return offsets16(of, index, s)
+
+
+@njit(inline="always", fastmath=FASTMATH, error_model="numpy")
 def _store(out, m, lo, hi, v):  # pragma: no cover - compiled
     """Lanes ``0 .. hi - lo - 1`` of ``v`` into ``out[m, lo:hi]`` (a whole panel as one vector store)."""
     n = out.shape[1]
@@ -123,7 +137,7 @@ def _panel_x4(isa, xq, xd, xs, codes, sc, of, p, m, out, lo, hi):  # pragma: no 
         l3 = panel_low(codes, o + 192)
         h3 = panel_high(codes, o + 192)
         s = load_scales16(sc, sb + b * PANEL)
-        z = offsets16(of, sb + b * PANEL, s)
+        z = _offsets(of, sb + b * PANEL, s)
         x = b * BLOCK
         a0 = fma_i32_bcast(_block_dot(isa, l0, l1, l2, l3, h0, h1, h2, h3, xq, m * k + x), s, xd, m * nb + b, a0)
         a1 = fma_i32_bcast(_block_dot(isa, l0, l1, l2, l3, h0, h1, h2, h3, xq, (m + 1) * k + x), s, xd,
@@ -159,7 +173,7 @@ def _panel_x1(isa, xq, xd, xs, codes, sc, of, p, m, out, lo, hi):  # pragma: no 
                        panel_low(codes, o + 192), panel_high(codes, o), panel_high(codes, o + 64),
                        panel_high(codes, o + 128), panel_high(codes, o + 192), xq, m * k + b * BLOCK)
         a0 = fma_i32_bcast(d, s, xd, m * nb + b, a0)
-        z0 = fma_bcast(offsets16(of, sb + b * PANEL, s), xs, m * nb + b, z0)
+        z0 = fma_bcast(_offsets(of, sb + b * PANEL, s), xs, m * nb + b, z0)
     _store(out, m, lo, hi, add_f32x16(a0, z0))
 
 
