@@ -105,10 +105,7 @@ def run(fmt: str, shapes: list[tuple[str, int, int]], rows: list[int], dram: boo
 
             def panels(i, x=x, out=out):
                 xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
-                if fmt == "q6_k":  # its offsets come from xq itself
-                    panel_gemv(VNNI512, xq, xd, *panel_args[i % count], out)
-                else:
-                    panel_gemv(VNNI512, xq, xd, xs, *panel_args[i % count], out)
+                panel_gemv(VNNI512, xq, xd, xs, *panel_args[i % count], out)
 
             fns = {"rows": row_kernels, "panel": panels}
             if m > limit:

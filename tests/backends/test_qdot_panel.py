@@ -220,8 +220,8 @@ def test_q4k_takes_the_panels_at_every_m_and_rows_do_not_depend_on_their_neighbo
     x = torch.randn(40, 512, generator=gen)
     calls = []
     serial = _qdot_kpanel.gemv_kpanel_serial
-    for name in ("gemv_kpanel", "gemv_kpanel_serial"):  # the serial threshold is a tunable
-        monkeypatch.setattr(_qdot_kpanel, name, lambda *a: calls.append(a) or serial(*a))
+    recorded = lambda *a: calls.append(a) or serial(*a)
+    monkeypatch.setitem(_qdot.PANEL_GEMVS, "q4_k", (recorded, recorded))  # the serial threshold is a tunable
     out = Q.qmatmul(x, qw, backend="cpu")
     assert calls, "M = 40 did not run the Q4_K panels"
     assert_close_to_oracle(out, qmatmul_f64(_qdot.quantized_activation(x), qw), torch.float32,
@@ -283,10 +283,10 @@ def test_q6k_panel_kernels_write_every_output_and_match_the_oracle(monkeypatch, 
         for m in (1, 3, 4, 7):
             x = torch.randn(m, k, generator=gen)
             want = qmatmul_f64(_qdot.quantized_activation(x), qw)
-            xq, xd, _ = _qdot_kernels.quantize_activations(x.numpy())
+            xq, xd, xs = _qdot_kernels.quantize_activations(x.numpy())
             for kernel in (_qdot_q6panel.gemv_q6panel_serial, _qdot_q6panel.gemv_q6panel):
                 got = np.full((m, n), np.nan, np.float32)
-                kernel(VNNI512, xq, xd, *arrays[:3], got)
+                kernel(VNNI512, xq, xd, xs, *arrays[:3], got)
                 assert_close_to_oracle(torch.from_numpy(got), want, torch.float32,
                                        f"q6_k N={n} K={k} M={m} {kernel.__name__}", reduction=True)
     qw = random_ggml_weight("q6_k", 53, 256, gen)

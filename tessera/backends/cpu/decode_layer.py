@@ -86,6 +86,21 @@ def _is_ggml(w) -> bool:
         and w.types[1].dtype == types.uint8
 
 
+def _panel_layout(w) -> str | None:
+    """Which row-panel layout a packed weight tuple holds (:func:`tessera.backends.cpu.ops._qdot.panel_arrays`; N
+    is the last item of each), or None: told apart by length and by the dtype of the arrays that differ."""
+    if not isinstance(w, types.BaseTuple):
+        return None
+    n = len(w.types)
+    if n == 3 and w.types[0].dtype == types.uint8:
+        return "int8"  # biased uint8 codes, where the int8 rows' tuple has int8 codes
+    if n == 4:
+        return "q6_k" if w.types[1].dtype == types.int8 else "int4"  # Q6_K's scales are int8
+    if n == 6:
+        return "q4_k"
+    return None
+
+
 def _kind(w, isa):
     """Which row kernel a projection runs: 0 float, 1 int8-activation (int4, int8 or a ggml block format), 2
     portable int4."""
@@ -184,9 +199,9 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
     ``[N, K]`` or a packed weight as :func:`tessera.backends.cpu.ops._qdot.weight_arrays` gives it,
     ``(packed uint8 [N, K/2], scales f32 [N, K/g], offsets [N, K/g], has_min, g)`` for int4 / int4_min or
     ``(q int8 [N, K], scales, g)`` for int8, ``(codes, scales, offsets, N)`` for group-32 int4 in the row-panel
-    layout (:mod:`tessera.backends.cpu.ops._qdot_panel`), ``(codes, sc, mn, d, dmin, N)`` for Q4_K and
-    ``(codes, sc int8, d, N)`` for Q6_K and ``(codes uint8, scales, N)`` for group-32 int8 in theirs (:mod:`tessera.backends.cpu.ops._qdot_kpanel`,
-    :mod:`tessera.backends.cpu.ops._qdot_q6panel`), ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats
+    layout (:mod:`tessera.backends.cpu.ops._qdot_panel`), ``(codes, sc, mn, d, dmin, N)`` for Q4_K,
+    ``(codes, sc int8, d, N)`` for Q6_K and ``(codes uint8, scales, N)`` for group-32 int8 in theirs
+    (:func:`_panel_layout`), ``(w0, w1, fmt0, fmt1, split)`` for ggml block formats
     (two row blocks, :func:`tessera.backends.cpu.ops._qdot_ggml.ggml_rows`).
     ``acc`` float32 ``[T, N]`` holds the GEMV result before
     :func:`_finish_rows` rounds it into ``out``."""
@@ -202,25 +217,26 @@ def _project_rows_overload(inp, w, b, acc, out, isa, lo, hi):
             _ggml_act_rows(isa, inp[0], inp[1], inp[2], w0, w1, fmt0, fmt1, split, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return ggml_int8_activation_rows
-    if kind == 1 and len(w.types) == 3 and w.types[0].dtype == types.uint8:  # int8 panels: biased uint8 codes
+    layout = _panel_layout(w)
+    if kind == 1 and layout == "int8":
         def q8_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             codes, scales, n = w
             q8panel_row_range(isa, inp[0], inp[1], inp[2], codes, scales, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return q8_panel_int8_activation_rows
-    if kind == 1 and len(w.types) == 4 and w.types[1].dtype == types.int8:  # Q6_K panels: int8 scales
+    if kind == 1 and layout == "q6_k":
         def q6k_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             codes, sc, d, n = w
             q6panel_row_range(isa, inp[0], inp[1], offsets16(inp[0], inp[1]), codes, sc, d, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return q6k_panel_int8_activation_rows
-    if kind == 1 and len(w.types) == 4:
+    if kind == 1 and layout == "int4":
         def panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             codes, scales, offsets, n = w
             panel_row_range(isa, inp[0], inp[1], inp[2], codes, scales, offsets, acc, lo, hi)
             _finish_rows(acc, b, out, lo, hi)
         return panel_int8_activation_rows
-    if kind == 1 and len(w.types) == 6:
+    if kind == 1 and layout == "q4_k":
         def q4k_panel_int8_activation_rows(inp, w, b, acc, out, isa, lo, hi):
             codes, sc, mn, d, dmin, n = w
             kpanel_row_range(isa, inp[0], inp[1], inp[2], codes, sc, mn, d, dmin, acc, lo, hi)
@@ -500,12 +516,13 @@ def _n_out_overload(w):
         return lambda w: w.shape[0]
     if _is_ggml(w):
         return lambda w: w[4] + w[1].shape[0]
-    if len(w.types) == 4:  # the row-panel layouts: N is given, their arrays are per panel
-        return lambda w: w[3]
-    if len(w.types) == 6:
-        return lambda w: w[5]
-    if len(w.types) == 3 and w.types[0].dtype == types.uint8:  # int8 panels
+    layout = _panel_layout(w)  # the row-panel layouts: N is given last, their arrays are per panel
+    if layout == "int8":
         return lambda w: w[2]
+    if layout in ("int4", "q6_k"):
+        return lambda w: w[3]
+    if layout == "q4_k":
+        return lambda w: w[5]
     return lambda w: w[0].shape[0]
 
 

@@ -233,14 +233,24 @@ def takes_panels(qw: QuantizedWeight | StackedWeight, isa: IsaToken | None) -> b
     (:mod:`._qdot_kpanel`, :mod:`._qdot_q6panel`), under the ``vnni512`` token."""
     if isa is not VNNI512 or not isinstance(qw, QuantizedWeight):
         return False
-    return qw.fmt in ("q4_k", "q6_k") or (qw.fmt in ("int4", "int4_min", "int8") and qw.group_size == kernels.BLOCK)
+    return qw.fmt in PANEL_GEMVS and (qw.fmt in GGML_CODES or qw.group_size == kernels.BLOCK)
 
+
+#: format -> (parallel, serial) GEMV of its row panels: each takes ``(isa, xq, xd, xs, *panel arrays, out)``, the
+#: arrays being :func:`panel_arrays` without its trailing N
+PANEL_GEMVS = {
+    "int4": (panel_kernels.gemv_panel, panel_kernels.gemv_panel_serial),
+    "int4_min": (panel_kernels.gemv_panel, panel_kernels.gemv_panel_serial),
+    "int8": (q8panel_kernels.gemv_q8panel, q8panel_kernels.gemv_q8panel_serial),
+    "q4_k": (kpanel_kernels.gemv_kpanel, kpanel_kernels.gemv_kpanel_serial),
+    "q6_k": (q6panel_kernels.gemv_q6panel, q6panel_kernels.gemv_q6panel_serial),
+}
 
 #: activation rows from which a parallel call quantizes them over its threads too (a prefill chunk); below, the
 #: thread pool's wake-up costs more than the work
 PARALLEL_QUANTIZE_ROWS = 16
 
-#: ids of (codes, scales, offsets), or of a Q4_K weight's block bytes -> (weak references to them, their panel
+#: ids of (codes, scales, offsets), or of a K-quant weight's block bytes -> (weak references to them, their panel
 #: layout): built on a weight's first use
 _PANELS: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple]] = {}
 
@@ -314,18 +324,9 @@ def qmatmul(x: torch.Tensor, qw: QuantizedWeight | StackedWeight, isa: IsaToken,
     xq, xd, xs = (panel_kernels.quantize_activations_parallel if parallel_rows else
                   kernels.quantize_activations)(x.numpy())
     on = out.numpy()
-    if takes_panels(qw, isa) and qw.fmt == "q4_k":
-        (kpanel_kernels.gemv_kpanel_serial if serial else kpanel_kernels.gemv_kpanel)(isa, xq, xd, xs,
-                                                                                    *panel_arrays(qw)[:5], on)
-    elif takes_panels(qw, isa) and qw.fmt == "int8":
-        (q8panel_kernels.gemv_q8panel_serial if serial else q8panel_kernels.gemv_q8panel)(isa, xq, xd, xs,
-                                                                                        *panel_arrays(qw)[:2], on)
-    elif takes_panels(qw, isa) and qw.fmt == "q6_k":
-        (q6panel_kernels.gemv_q6panel_serial if serial else q6panel_kernels.gemv_q6panel)(isa, xq, xd,
-                                                                                        *panel_arrays(qw)[:3], on)
-    elif takes_panels(qw, isa):
-        (panel_kernels.gemv_panel_serial if serial else panel_kernels.gemv_panel)(isa, xq, xd, xs, *panel_arrays(qw)[:3],
-                                                                                on)
+    if takes_panels(qw, isa):
+        parallel_gemv, serial_gemv = PANEL_GEMVS[qw.fmt]
+        (serial_gemv if serial else parallel_gemv)(isa, xq, xd, xs, *panel_arrays(qw)[:-1], on)
     elif isinstance(qw, StackedWeight) or qw.fmt in GGML_CODES:
         (ggml_kernels.gemv_ggml_serial if serial else ggml_kernels.gemv_ggml)(isa, xq, xd, xs, *weight_arrays(qw), on)
     elif qw.fmt == "int8":

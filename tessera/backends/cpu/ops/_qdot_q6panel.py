@@ -228,8 +228,9 @@ def q6panel_row_range(isa, xq, xd, xs16, codes, sc, d, out, n_lo, n_hi):  # prag
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def gemv_q6panel(isa, xq, xd, codes, sc, d, out):  # pragma: no cover - compiled
-    """:func:`q6panel_row_range` over all ``out.shape[1]`` rows, split over threads in blocks of :data:`ROWS`."""
+def gemv_q6panel(isa, xq, xd, xs, codes, sc, d, out):  # pragma: no cover - compiled
+    """:func:`q6panel_row_range` over all ``out.shape[1]`` rows, split over threads in blocks of :data:`ROWS`. ``xs``
+    (the per-32 activation sums) is unused: taken so every panel GEMV has one signature (``_qdot.qmatmul``)."""
     n_rows = out.shape[1]
     xs16 = offsets16(xq, xd)
     for blk in prange((n_rows + ROWS - 1) // ROWS):
@@ -237,6 +238,6 @@ def gemv_q6panel(isa, xq, xd, codes, sc, d, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, error_model="numpy")
-def gemv_q6panel_serial(isa, xq, xd, codes, sc, d, out):  # pragma: no cover - compiled
+def gemv_q6panel_serial(isa, xq, xd, xs, codes, sc, d, out):  # pragma: no cover - compiled
     """:func:`gemv_q6panel` on the calling thread."""
     q6panel_row_range(isa, xq, xd, offsets16(xq, xd), codes, sc, d, out, np.int64(0), out.shape[1])

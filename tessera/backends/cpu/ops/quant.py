@@ -90,19 +90,18 @@ def _ggml_rows(qw: QuantizedWeight, lo: int, hi: int) -> torch.Tensor:
 
 
 def _ggml_matmul(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """float32 ``x @ W.T`` for a ggml block format up to :data:`GGML_GEMV_MAX_M` rows of x (Q4_K under ``vnni512``:
-    every M, its row panels): int8 dot products on x quantized per block of 32 (:mod:`._qdot_ggml`,
-    :mod:`._qdot_kpanel`) where a ``qgemv`` variant with them runs, else each weight row
+    """float32 ``x @ W.T`` for a ggml block format up to :data:`GGML_GEMV_MAX_M` rows of x (Q4_K and Q6_K under
+    ``vnni512``: every M, their row panels): int8 dot products on x quantized per block of 32 (:mod:`._qdot_ggml`,
+    the panels of :mod:`._qdot`) where a ``qgemv`` variant with them runs, else each weight row
     decoded once to float32 and dotted with every x row. Above, tiles of :data:`TILE_N` rows de-quantized and run
     through a GEMM in the ``qgemm`` variant's precision (see :func:`_gemm_tiled`; the tile is de-quantized to float32,
     then rounded to bf16 once)."""
     m, n = x.shape[0], qw.shape[0]
-    # Q4_K's row panels beat the de-quantized bf16 tiles at every M measured (docs/kernels/quant.md)
-    if m <= GGML_GEMV_MAX_M or qdot.takes_panels(qw, VNNI512):
-        isa = qdot.chosen_token(qw)
-        if isa is not None and (m <= GGML_GEMV_MAX_M or qdot.takes_panels(qw, isa)):
-            serial = m * n * qw.shape[1] < tuned("gemv_serial_work", None, SERIAL_WORK)
-            return qdot.qmatmul(x, qw, isa, serial)
+    isa = qdot.chosen_token(qw)  # memoized; the int8 kernels' self-check on a process's first packed weight
+    # the K-quant row panels beat the de-quantized bf16 tiles at every M measured (docs/kernels/quant.md)
+    if isa is not None and (m <= GGML_GEMV_MAX_M or qdot.takes_panels(qw, isa)):
+        serial = m * n * qw.shape[1] < tuned("gemv_serial_work", None, SERIAL_WORK)
+        return qdot.qmatmul(x, qw, isa, serial)
     if m <= GGML_GEMV_MAX_M:
         out = torch.empty(m, n, dtype=torch.float32)
         ggml.gemv(x.numpy(), qw.data.numpy(), ggml.FMT_CODES[qw.fmt], out.numpy())
