@@ -73,6 +73,8 @@ from tessera.models import default_model_path, load_model
 
 DECODE_TARGET = 2.0  # Tessera batch-1 decode / transformers', fp32 both
 THROUGHPUT_TARGET = 5.0  # Tessera R-request throughput / transformers one request at a time, fp32 both
+#: passes per reader of each read probe taken beside a decode run (the first of each is untimed)
+PAIRED_PROBE_REPS = 3
 
 
 @dataclass(frozen=True)
@@ -164,9 +166,21 @@ def hf_one_at_a_time(model: Any, prompts: list[list[int]], new: int, total: int)
             "measured_requests": len(prompts), "mean_ttft_s": None}
 
 
-def tessera_suite(llm: LLM, model_hf: Any | None, sizes: Sizes, prompts: Prompts,
-                  throughput: bool = True) -> dict[str, dict[str, Any]]:
-    """Prefill, decode and (optionally) in-process throughput for one engine, alternating with transformers."""
+def beside_probe(read_probe: probes.ReadProbe, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s result with ``read_gbps_paired``: the better of two read probes, one right before it and one right
+    after (the ceiling of the moment it ran; see :class:`tessera.hw.probes.ReadProbe`)."""
+    before, _ = read_probe(PAIRED_PROBE_REPS)
+    out = run()
+    after, _ = read_probe(PAIRED_PROBE_REPS)
+    return {**out, "read_gbps_paired": max(before, after)}
+
+
+def tessera_suite(llm: LLM, model_hf: Any | None, sizes: Sizes, prompts: Prompts, throughput: bool = True,
+                  read_probe: probes.ReadProbe | None = None, file_bytes: int = 0) -> dict[str, dict[str, Any]]:
+    """Prefill, decode and (optionally) in-process throughput for one engine, alternating with transformers.
+
+    With ``read_probe``, each decode repetition is timed between two read probes and also reports
+    ``dram_fraction_paired``: its bytes per second (``file_bytes`` per token) over the ceiling of that moment."""
     def pair(tess: Callable[[], dict], hf: Callable[[], dict] | None) -> dict[str, dict[str, Any]]:
         return median_runs({"tessera": tess, **({"hf": hf} if hf else {})}, sizes.reps)
 
@@ -177,11 +191,19 @@ def tessera_suite(llm: LLM, model_hf: Any | None, sizes: Sizes, prompts: Prompts
         shared[key] = prompts(length)
         return shared[key]
 
+    def decode() -> dict[str, Any]:
+        def run() -> dict[str, Any]:
+            return tessera_decode(llm, fresh("d", sizes.decode_prompt), sizes.decode_new)
+
+        if read_probe is None:
+            return run()
+        out = beside_probe(read_probe, run)
+        return {**out, "dram_fraction_paired": out["tok_s"] * file_bytes / (out["read_gbps_paired"] * 1e9)}
+
     hf = model_hf is not None
     res = {"prefill": pair(lambda: tessera_prefill(llm, fresh("p", sizes.prefill_len)),
                            (lambda: hf_prefill(model_hf, shared["p"])) if hf else None),
-           "decode": pair(lambda: tessera_decode(llm, fresh("d", sizes.decode_prompt), sizes.decode_new),
-                          (lambda: hf_generate(model_hf, shared["d"], sizes.decode_new)) if hf else None)}
+           "decode": pair(decode, (lambda: hf_generate(model_hf, shared["d"], sizes.decode_new)) if hf else None)}
     if throughput:
         batch = [prompts(sizes.request_prompt) for _ in range(sizes.requests)]
         res["throughput"] = {"tessera": tessera_batch(llm, batch, sizes.request_new)}
@@ -236,7 +258,8 @@ def run_servers(wl: Workload, path: Path, llama: peers.LlamaCpp | None, sizes: S
 
 # ---------------------------------------------------------------------------------------------- workloads
 def run_workload(wl: Workload, sizes: Sizes, prompts: Prompts, llama: peers.LlamaCpp | None, threads: int,
-                 read_gbps: float, log_dir: Path, console: Console) -> dict[str, Any]:
+                 read_gbps: float, log_dir: Path, console: Console,
+                 read_probe: probes.ReadProbe | None = None) -> dict[str, Any]:
     """Every measurement of one workload; the dict goes into the JSON under the workload's name."""
     path = wl.path()
     file_bytes = tensor_bytes(path)
@@ -250,7 +273,8 @@ def run_workload(wl: Workload, sizes: Sizes, prompts: Prompts, llama: peers.Llam
         bytes_moved = weight_cost(model)[1]
         hf = model_hf if variant == "fp32" else None
         llm = new_llm(model, sizes, None if wl.transformers else 1)
-        suite = tessera_suite(llm, hf, sizes, prompts, throughput=wl.transformers)
+        suite = tessera_suite(llm, hf, sizes, prompts, throughput=wl.transformers, read_probe=read_probe,
+                              file_bytes=file_bytes)
         suite["decode"]["tessera"]["weight_bytes_per_token"] = bytes_moved
         if hf is not None:
             toks_t, toks_h = suite["decode"]["tessera"].pop("tokens"), suite["decode"]["hf"].pop("tokens")
@@ -264,8 +288,12 @@ def run_workload(wl: Workload, sizes: Sizes, prompts: Prompts, llama: peers.Llam
 
     if llama is not None:
         console.print(f"  llama-bench pp{sizes.prefill_len} tg{sizes.decode_new}, {threads} threads")
-        res["llama_cpp"] = peers.llama_bench(llama, path, prompt=sizes.prefill_len, gen=sizes.decode_new,
-                                             threads=threads, reps=sizes.reps)
+        def bench() -> dict[str, Any]:
+            return peers.llama_bench(llama, path, prompt=sizes.prefill_len, gen=sizes.decode_new, threads=threads,
+                                     reps=sizes.reps)
+
+        # the probes pair with the whole llama-bench call (its pp and tg runs interleave inside it)
+        res["llama_cpp"] = bench() if read_probe is None else beside_probe(read_probe, bench)
     res["server"] = run_servers(wl, path, llama, sizes, prompts, threads, log_dir, console)
     res["ratios"] = ratios(res, read_gbps)
     return res
@@ -279,8 +307,13 @@ def ratios(res: dict[str, Any], read_gbps: float) -> dict[str, Any]:
     per_token = res["file_tensor_bytes"] / (read_gbps * 1e9)  # seconds to stream the file once at the ceiling
     if lc is not None:
         out["llama.cpp"] = {"decode_dram_fraction": lc["tg_tok_s"] * per_token}
+        if "read_gbps_paired" in lc:
+            out["llama.cpp"]["decode_dram_fraction_paired"] = (lc["tg_tok_s"] * res["file_tensor_bytes"]
+                                                               / (lc["read_gbps_paired"] * 1e9))
     for tag, suite in res["tessera"].items():
         r: dict[str, Any] = {"decode_dram_fraction": suite["decode"]["tessera"]["tok_s"] * per_token}
+        if "dram_fraction_paired" in suite["decode"]["tessera"]:  # the median of the repetitions' own fractions
+            r["decode_dram_fraction_paired"] = suite["decode"]["tessera"]["dram_fraction_paired"]
         if lc is not None:
             r["prefill"] = suite["prefill"]["tessera"]["tok_s"] / lc["pp_tok_s"]
             r["decode"] = suite["decode"]["tessera"]["tok_s"] / lc["tg_tok_s"]
@@ -305,7 +338,7 @@ def peers_table(results: dict[str, Any], sizes: Sizes) -> Table:
                         f"llama.cpp; server: {sizes.server_requests} x {sizes.server_new} new, "
                         f"{sizes.server_inflight} in flight")
     for col in ("workload", "engine", f"pp{sizes.prefill_len} tok/s", "ratio", f"tg{sizes.decode_new} tok/s",
-                "ratio", "tg % DRAM", "server tok/s", "ratio", "TTFT p50 ms", "ratio"):
+                "ratio", "tg % DRAM run", "tg % DRAM paired", "server tok/s", "ratio", "TTFT p50 ms", "ratio"):
         table.add_column(col, justify="right")
     for name, res in results.items():
         lc, srv, rat = res.get("llama_cpp"), res["server"], res["ratios"]
@@ -313,14 +346,19 @@ def peers_table(results: dict[str, Any], sizes: Sizes) -> Table:
             s, r = srv.get(f"tessera {tag}"), rat[f"tessera {tag}"]
             table.add_row(name, f"tessera {tag}", _f(suite["prefill"]["tessera"]["tok_s"]), _f(r.get("prefill"), ".2f"),
                           _f(suite["decode"]["tessera"]["tok_s"]), _f(r.get("decode"), ".2f"),
-                          _f(100 * r["decode_dram_fraction"], ".0f"), _f(s and s["tok_s"]),
+                          _f(100 * r["decode_dram_fraction"], ".0f"),
+                          _f(r.get("decode_dram_fraction_paired") and 100 * r["decode_dram_fraction_paired"], ".0f"),
+                          _f(s and s["tok_s"]),
                           _f(r.get("server_tok_s"), ".2f"), _f(s and 1e3 * s["ttft_p50_s"], ".0f"),
                           _f(r.get("server_ttft_p50"), ".2f"))
         if lc is not None:
             s = srv.get("llama.cpp")
             table.add_row(name, "llama.cpp", f"{lc['pp_tok_s']:.1f} ±{lc['pp_std']:.1f}", "1",
                           f"{lc['tg_tok_s']:.1f} ±{lc['tg_std']:.1f}", "1",
-                          _f(100 * rat["llama.cpp"]["decode_dram_fraction"], ".0f"), _f(s and s["tok_s"]), "1",
+                          _f(100 * rat["llama.cpp"]["decode_dram_fraction"], ".0f"),
+                          _f(rat["llama.cpp"].get("decode_dram_fraction_paired") and
+                             100 * rat["llama.cpp"]["decode_dram_fraction_paired"], ".0f"),
+                          _f(s and s["tok_s"]), "1",
                           _f(s and 1e3 * s["ttft_p50_s"], ".0f"), "1")
     return table
 
@@ -395,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         ceilings = get_ceilings(refresh=True)
     # The read ceiling again, in this run: on a shared machine the bandwidth left to us moves within the hour;
     # the larger of the two is the ceiling (neither can exceed what the memory system delivers).
-    run_read, _ = probes.measure_read_gbps()
+    read_probe = probes.ReadProbe()
+    run_read, _ = read_probe()
     read_gbps = max(ceilings.read_gbps, run_read)
     console.print(f"{machine['cpu_model']}, {args.threads} threads, read ceiling {read_gbps:.1f} GB/s "
                   f"(cached {ceilings.read_gbps:.1f}, this run {run_read:.1f}); "
@@ -405,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
 
     chosen = [WORKLOADS[n] if args.transformers else replace(WORKLOADS[n], transformers=False) for n in names]
     results = {wl.name: run_workload(wl, sizes, prompts, llama, args.threads, read_gbps,
-                                     log_dir, console) for wl in chosen}
+                                     log_dir, console, read_probe) for wl in chosen}
+    del read_probe  # its 1 GiB buffer
 
     console.print(peers_table(results, sizes))
     if "smollm2" in results and args.transformers:

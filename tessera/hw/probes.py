@@ -71,18 +71,42 @@ def measure_read_gbps(num_bytes: int = READ_BYTES, reps: int = 10) -> tuple[floa
     -------
     (GB/s with GB = 1e9 bytes, the name of the method that reached it)
     """
-    # fill_ rather than randn: it touches every page (so page faults stay out of the timed reads) at memory speed.
-    buf = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
-    results = {"torch.sum": num_bytes / best_seconds(lambda: buf.sum(), reps) / 1e9}
-    numba_sum = _numba_parallel_sum()
-    if numba_sum is not None:
-        arr = buf.numpy()
-        try:
-            results["numba prange sum"] = num_bytes / best_seconds(lambda: numba_sum(arr), reps) / 1e9
-        except Exception:  # Numba compiles on the first call; if it can't here, torch.sum's number stands alone
-            pass
-    method = max(results, key=results.__getitem__)
-    return results[method], method
+    return ReadProbe(num_bytes)(reps)
+
+
+class ReadProbe:
+    """:func:`measure_read_gbps` with its buffer kept, to measure the read ceiling again and again in one run.
+
+    Why: on a shared VM the bandwidth left to one guest moves in phases of minutes (a Zen 5 VM read 48-52 GB/s for
+    minutes, then 75-80, then 50 again, 2026-12-05), so a fraction of a ceiling measured once at the start of a
+    benchmark mixes two phases. A probe right before and right after each timed run (four 1 GiB passes per reader at
+    ``reps=3``, ~0.2 s) gives the ceiling of the moment the run saw.
+
+    Parameters
+    ----------
+    num_bytes : size of the fp32 buffer read; allocated and touched once, here (1 GiB by default).
+    """
+
+    def __init__(self, num_bytes: int = READ_BYTES) -> None:
+        # fill_ rather than randn: it touches every page (so page faults stay out of the timed reads) at memory
+        # speed.
+        self.num_bytes = num_bytes
+        self._buf = torch.empty(num_bytes // 4, dtype=torch.float32).fill_(1.0)
+        self._numba_sum = _numba_parallel_sum()
+
+    def __call__(self, reps: int = 10) -> tuple[float, str]:
+        """The best GB/s of ``reps`` passes per reader, and the reader that reached it (see
+        :func:`measure_read_gbps`)."""
+        buf = self._buf
+        results = {"torch.sum": self.num_bytes / best_seconds(lambda: buf.sum(), reps) / 1e9}
+        if self._numba_sum is not None:
+            arr, numba_sum = buf.numpy(), self._numba_sum
+            try:
+                results["numba prange sum"] = self.num_bytes / best_seconds(lambda: numba_sum(arr), reps) / 1e9
+            except Exception:  # Numba compiles on the first call; if it can't here, torch.sum's number stands alone
+                self._numba_sum = None
+        method = max(results, key=results.__getitem__)
+        return results[method], method
 
 
 def _numba_parallel_sum() -> Callable | None:

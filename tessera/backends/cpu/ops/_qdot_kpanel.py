@@ -27,14 +27,13 @@ from numba import njit, prange
 
 from tessera.backends.cpu.numba_math import FASTMATH
 from tessera.backends.cpu.ops._ggml_kernels import _k_scale_min
-from tessera.backends.cpu.ops._int8_simd import prefetch
 from tessera.backends.cpu.ops._int8_simd512 import add_f32x16, zero_f32x16
 from tessera.backends.cpu.ops._ggml_simd512 import mul_f32x16
 from tessera.backends.cpu.ops._panel_simd512 import (
     fma_bcast, fma_i32_bcast, load_scales16, load_u8_f32x16, panel_high, panel_low,
 )
 from tessera.backends.cpu.ops._qdot_panel import (
-    BLOCK, PANEL, PANEL_BLOCK_BYTES, PREFETCH_BYTES, X_ROWS, _block_dot, _store,
+    BLOCK, PANEL, PANEL_BLOCK_BYTES, X_ROWS, _block_dot, _store, prefetch_ahead,
 )
 
 #: bytes of one Q4_K block of 256 weights in a GGUF row: d, dmin (float16), 12 bytes of packed 6-bit scales and
@@ -116,7 +115,7 @@ def _kpanel_x4(isa, xq, xd, xs, codes, sc, mn, d, dmin, p, m, out, lo, hi):  # p
         for s in range(SUB_BLOCKS):
             b = blk * SUB_BLOCKS + s
             o = cb + b * PANEL_BLOCK_BYTES
-            prefetch(codes, o + PREFETCH_BYTES)
+            prefetch_ahead(codes, o, PANEL_BLOCK_BYTES)
             l0 = panel_low(codes, o)
             h0 = panel_high(codes, o)
             l1 = panel_low(codes, o + 64)
@@ -162,7 +161,7 @@ def _kpanel_x1(isa, xq, xd, xs, codes, sc, mn, d, dmin, p, m, out, lo, hi):  # p
         for s in range(SUB_BLOCKS):
             b = blk * SUB_BLOCKS + s
             o = cb + b * PANEL_BLOCK_BYTES
-            prefetch(codes, o + PREFETCH_BYTES)
+            prefetch_ahead(codes, o, PANEL_BLOCK_BYTES)
             dot = _block_dot(isa, panel_low(codes, o), panel_low(codes, o + 64), panel_low(codes, o + 128),
                              panel_low(codes, o + 192), panel_high(codes, o), panel_high(codes, o + 64),
                              panel_high(codes, o + 128), panel_high(codes, o + 192), xq, m * k + b * BLOCK)

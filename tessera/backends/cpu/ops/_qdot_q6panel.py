@@ -28,12 +28,11 @@ from numba import njit, prange
 
 from tessera.backends.cpu.numba_math import FASTMATH
 from tessera.backends.cpu.ops._ggml_simd512 import mul_f32x16
-from tessera.backends.cpu.ops._int8_simd import prefetch
 from tessera.backends.cpu.ops._int8_simd512 import add_f32x16, zero_f32x16
 from tessera.backends.cpu.ops._panel_simd512 import (
     add_i32x16, dot_bcast, fma_bcast, fma_i32_bcast, load_i8_f32x16, load_scales16, q6_panel_codes, zero_i32x16,
 )
-from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, PREFETCH_BYTES, X_ROWS, _store
+from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, X_ROWS, _store, prefetch_ahead
 
 #: bytes of one Q6_K block of 256 weights in a GGUF row: 128 of low nibbles, 64 of top bits, 16 int8 scales, d
 Q6K_BYTES = 210
@@ -125,7 +124,7 @@ def _q6panel_x4(isa, xq, xd, xs16, codes, sc, d, p, m, out, lo, hi):  # pragma: 
         for gi in range(GROUPS):
             g = blk * GROUPS + gi
             o = cb + g * GROUP_BYTES
-            prefetch(codes, o + PREFETCH_BYTES)
+            prefetch_ahead(codes, o, GROUP_BYTES)
             f0 = q6_panel_codes(codes, o, o + 256, 0, False)
             f1 = q6_panel_codes(codes, o + 64, o + 256, 1, False)
             f2 = q6_panel_codes(codes, o + 128, o + 256, 2, False)
@@ -174,7 +173,7 @@ def _q6panel_x1(isa, xq, xd, xs16, codes, sc, d, p, m, out, lo, hi):  # pragma: 
         for gi in range(GROUPS):
             g = blk * GROUPS + gi
             o = cb + g * GROUP_BYTES
-            prefetch(codes, o + PREFETCH_BYTES)
+            prefetch_ahead(codes, o, GROUP_BYTES)
             sf = mul_f32x16(load_i8_f32x16(sc, sb + 2 * g * PANEL), dd)
             ss = mul_f32x16(load_i8_f32x16(sc, sb + (2 * g + 1) * PANEL), dd)
             x = m * k + g * BLOCK

@@ -19,12 +19,11 @@ from numba import njit, prange
 
 from tessera.backends.cpu.numba_math import FASTMATH
 from tessera.backends.cpu.ops._ggml_simd512 import mul_f32x16
-from tessera.backends.cpu.ops._int8_simd import prefetch
 from tessera.backends.cpu.ops._int8_simd512 import add_f32x16, load_i8x64, zero_f32x16
 from tessera.backends.cpu.ops._panel_simd512 import (
     add_i32x16, dot_bcast, fma_bcast, fma_i32_bcast, load_scales16, zero_i32x16,
 )
-from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, PREFETCH_BYTES, X_ROWS, _store
+from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, X_ROWS, _store, prefetch_ahead
 
 #: bytes of sixteen rows' 32-weight block in the panel layout
 BLOCK_BYTES = PANEL * BLOCK
@@ -86,7 +85,7 @@ def _q8panel_x4(isa, xq, xd, xs, codes, sc, p, m, out, lo, hi):  # pragma: no co
     z3 = zero_f32x16()
     for b in range(nb):
         o = cb + b * BLOCK_BYTES
-        prefetch(codes, o + PREFETCH_BYTES)
+        prefetch_ahead(codes, o, BLOCK_BYTES)
         c0 = load_i8x64(codes, o)
         c1 = load_i8x64(codes, o + 64)
         c2 = load_i8x64(codes, o + 128)
@@ -126,7 +125,7 @@ def _q8panel_x1(isa, xq, xd, xs, codes, sc, p, m, out, lo, hi):  # pragma: no co
     z0 = zero_f32x16()
     for b in range(nb):
         o = cb + b * BLOCK_BYTES
-        prefetch(codes, o + PREFETCH_BYTES)
+        prefetch_ahead(codes, o, BLOCK_BYTES)
         s = load_scales16(sc, sb + b * PANEL)
         d = _dot8(isa, load_i8x64(codes, o), load_i8x64(codes, o + 64), load_i8x64(codes, o + 128),
                   load_i8x64(codes, o + 192), load_i8x64(codes, o + 256), load_i8x64(codes, o + 320),
