@@ -56,6 +56,20 @@ def test_packed_column_slices_keep_whole_groups(fmt):
         take_cols(qw, 16, 96, "layers.0.down.weight")
 
 
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
+def test_ggml_block_column_slices_keep_whole_blocks(fmt):
+    from tessera.tuning.random_weights import random_ggml_weight
+
+    qw = random_ggml_weight(fmt, 6, 768, torch.Generator().manual_seed(0))
+    block = qw.group_size
+    full = dequantize(qw)
+    got = take_cols(qw, block, 3 * block if block == 256 else 5 * block, "w")
+    assert got.fmt == qw.fmt and torch.equal(dequantize(got), full[:, block:got.shape[1] + block])
+    assert torch.equal(dequantize(take_rows(qw, [0, 4], "w")), full[[0, 4]])
+    with pytest.raises(ValueError, match=f"falls inside a {fmt} group of {block}"):
+        take_cols(qw, block // 2, 3 * block, "layers.0.down.weight")
+
+
 def test_per_channel_scales_cannot_split_columns():
     qw = quantize(torch.randn(8, 64), "int8")
     with pytest.raises(ValueError, match="one scale per row"):
