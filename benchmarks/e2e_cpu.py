@@ -6,7 +6,9 @@ Workloads (``--workloads``, comma-separated):
   fp32 and with the Q4_1 projections kept packed (``keep_quantized=True``); transformers runs it fp32.
 - ``tinyllama-q4_0``, ``tinyllama-q8_0``: a synthetic 1B Llama in TinyLlama-1.1B's shape with seeded random weights
   (``tessera.bench.synthetic_gguf``), Q4_0 or Q8_0 projections; Tessera keeps them packed. Its 0.65 / 1.15 GB of
-  weights are read from DRAM every decode step, so decode is also reported as a fraction of the read ceiling.
+  weights are read from DRAM every decode step, so decode is also reported as a fraction of the read ceiling: the
+  run's (measured at its start) and the one of read probes taken right before and after each decode repetition
+  (a shared VM's bandwidth moves in phases of minutes; docs/bench.md).
 - ``tinyllama-q4_k_m``: the same model in llama.cpp's Q4_K_M mix (Q4_K, and Q6_K for attn_v / ffn_down in the
   layers that get more bits), quantized by Tessera's own K-quant writer; Tessera keeps every block packed.
 
