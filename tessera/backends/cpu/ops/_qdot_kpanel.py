@@ -33,15 +33,13 @@ from tessera.backends.cpu.ops._panel_simd512 import (
     fma_bcast, fma_i32_bcast, load_scales16, load_u8_f32x16, panel_high, panel_low,
 )
 from tessera.backends.cpu.ops._qdot_panel import (
-    BLOCK, PANEL, PANEL_BLOCK_BYTES, X_ROWS, _block_dot, _store, prefetch_ahead,
+    BLOCK, PANEL, PANEL_BLOCK_BYTES, ROWS, X_ROWS, _block_dot, _store, prefetch_ahead,
 )
 
 #: bytes of one Q4_K block of 256 weights in a GGUF row: d, dmin (float16), 12 bytes of packed 6-bit scales and
 #: mins, 128 bytes of 4-bit codes
 Q4K_BYTES = 144
 SUB_BLOCKS = 8  # 32-weight sub-blocks per Q4_K block
-#: output rows per parallel work item of the standalone GEMV (a multiple of PANEL)
-ROWS = 64
 
 
 @njit(inline="always")

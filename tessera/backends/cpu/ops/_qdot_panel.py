@@ -207,7 +207,8 @@ def panel_row_range(isa, xq, xd, xs, codes, sc, of, out, n_lo, n_hi):  # pragma:
                 _panel_x1(isa, xq, xd, xs, codes, sc, of, p, m, out, lo, hi)
 
 
-#: output rows per parallel work item of the standalone GEMV (a multiple of PANEL)
+#: output rows per parallel work item of every row-panel GEMV (a multiple of PANEL; the Q4_K, Q6_K and int8
+#: panel modules take it from here)
 ROWS = 64
 
 

@@ -32,7 +32,7 @@ from tessera.backends.cpu.ops._int8_simd512 import add_f32x16, zero_f32x16
 from tessera.backends.cpu.ops._panel_simd512 import (
     add_i32x16, dot_bcast, fma_bcast, fma_i32_bcast, load_i8_f32x16, load_scales16, q6_panel_codes, zero_i32x16,
 )
-from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, X_ROWS, _store, prefetch_ahead
+from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, ROWS, X_ROWS, _store, prefetch_ahead
 
 #: bytes of one Q6_K block of 256 weights in a GGUF row: 128 of low nibbles, 64 of top bits, 16 int8 scales, d
 Q6K_BYTES = 210
@@ -40,8 +40,6 @@ Q6K_BYTES = 210
 GROUP_BYTES = 384
 GROUPS = 8  # 32-weight groups (activation blocks) per Q6_K block
 SUB = 16  # weights per Q6_K scale
-#: output rows per parallel work item of the standalone GEMV (a multiple of PANEL)
-ROWS = 64
 
 
 @njit(inline="always")

@@ -23,12 +23,10 @@ from tessera.backends.cpu.ops._int8_simd512 import add_f32x16, load_i8x64, zero_
 from tessera.backends.cpu.ops._panel_simd512 import (
     add_i32x16, dot_bcast, fma_bcast, fma_i32_bcast, load_scales16, zero_i32x16,
 )
-from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, X_ROWS, _store, prefetch_ahead
+from tessera.backends.cpu.ops._qdot_panel import BLOCK, PANEL, ROWS, X_ROWS, _store, prefetch_ahead
 
 #: bytes of sixteen rows' 32-weight block in the panel layout
 BLOCK_BYTES = PANEL * BLOCK
-#: output rows per parallel work item of the standalone GEMV (a multiple of PANEL)
-ROWS = 64
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
